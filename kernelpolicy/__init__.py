@@ -1,0 +1,53 @@
+"""kernelpolicy: decide at every forward call whether a layer runs its kernel.
+
+Hugging Face ``kernels`` binds a hub kernel to a layer once, ahead of time.
+kernelpolicy makes that binding obey a policy read at every call, from a
+:class:`contextvars.ContextVar` together with the trace/compile state:
+
+>>> import torch, kernelpolicy
+>>> @kernelpolicy.use_kernel_forward_from_hub("Double")
+... class Double(torch.nn.Module):
+...     def forward(self, x):
+...         return 2 * x
+>>> layer = Double()
+>>> with kernelpolicy.kernels_disabled():
+...     layer(torch.ones(1))
+tensor([2.])
+
+Importing kernelpolicy does not import ``kernels`` or ``huggingface_hub``.
+"""
+
+from __future__ import annotations
+
+from ._binding import attach, kernelize, replace_kernel_forward_from_hub, use_kernel_forward_from_hub
+from ._errors import KernelUnavailableError, PolicyError, ScopeError
+from ._explain import Explanation, LayerRow, explain
+from ._policy import ENV_VAR, MODES, Mode, Policy, current_policy
+from ._scope import kernel_policy, kernels_disabled, propagate, set_default_policy
+from ._state import ExecutionState, execution_state
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ENV_VAR",
+    "MODES",
+    "ExecutionState",
+    "Explanation",
+    "KernelUnavailableError",
+    "LayerRow",
+    "Mode",
+    "Policy",
+    "PolicyError",
+    "ScopeError",
+    "attach",
+    "current_policy",
+    "execution_state",
+    "explain",
+    "kernel_policy",
+    "kernelize",
+    "kernels_disabled",
+    "propagate",
+    "replace_kernel_forward_from_hub",
+    "set_default_policy",
+    "use_kernel_forward_from_hub",
+]

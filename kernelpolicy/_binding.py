@@ -1,0 +1,351 @@
+"""Layer binding: making modules policy-aware, and the interplay with ``kernels``.
+
+This module owns :func:`attach`, :func:`kernelize`,
+:func:`use_kernel_forward_from_hub` and :func:`replace_kernel_forward_from_hub`.
+
+How a module becomes policy-aware. ``kernels.kernelize`` binds a kernel with
+``module.forward = MethodType(kernel_layer.forward, module)`` and rebinds on
+every call (transformers calls it again on ``model.train()`` / ``.eval()``).
+kernelpolicy gives the *instance* (never its class, never other instances) a
+cached subclass of its class, the way ``torch.nn.utils.parametrize`` does,
+with the same name and module. That subclass:
+
+- intercepts ``module.forward = ...`` in ``__setattr__``: the assigned forward
+  becomes the bound kernel (or "no kernel" when it is the class's own
+  forward) and the instance keeps the policy-aware dispatcher, so a later
+  ``kernels.kernelize`` updates the kernel and never removes kernelpolicy;
+- overrides ``_slow_forward``, which ``nn.Module`` calls instead of
+  ``forward`` while ``torch.jit.trace`` runs, so jit tracing is detected at
+  no cost in eager mode;
+- deep-copies with its kernel and pickles as the original class (the kernel,
+  which lives in a dynamically loaded module, is dropped, as ``kernels``
+  itself does; re-kernelize after loading).
+
+The dispatcher itself is an instance attribute (``module.__dict__["forward"]``,
+a plain closure built by ``_dispatch.make_forward``), so ``module(x)`` pays no
+descriptor call.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import inspect
+import sys
+import types
+from typing import TYPE_CHECKING, Any, TypeVar, cast
+
+import torch
+from torch import nn
+
+from ._dispatch import Binding, make_forward
+from ._policy import DEFAULTS, ensure_env
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
+
+__all__ = [
+    "attach",
+    "binding_of",
+    "kernel_modules",
+    "kernelize",
+    "replace_kernel_forward_from_hub",
+    "use_kernel_forward_from_hub",
+]
+
+BINDING = "_kernelpolicy"
+_OURS = ("forward", BINDING)
+_AWARE_CLASSES: dict[type[nn.Module], type[nn.Module]] = {}
+
+T = TypeVar("T")
+M = TypeVar("M", bound=nn.Module)
+
+
+def binding_of(module: nn.Module) -> Binding | None:
+    """The binding of a policy-aware module, or None."""
+    found = module.__dict__.get(BINDING)
+    return found if isinstance(found, Binding) else None
+
+
+def kernel_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """Every kernel-capable module under ``model`` with its qualified name.
+
+    Layers marked with ``use_kernel_forward_from_hub`` and kernel functions
+    attached with ``use_kernelized_func`` (named ``<owner>.<function>``; one
+    function module may serve many owners, it is listed once).
+    """
+    seen: set[int] = set()
+    for name, module in model.named_modules():
+        if hasattr(type(module), "kernel_layer_name") and id(module) not in seen:
+            seen.add(id(module))
+            yield name, module
+        funcs = module.__dict__.get("_kernel_funcs")
+        if isinstance(funcs, dict):
+            for func_name, func in funcs.items():
+                if isinstance(func, nn.Module) and id(func) not in seen:
+                    seen.add(id(func))
+                    yield (f"{name}.{func_name}" if name else func_name), func
+
+
+def attach(model: M) -> M:
+    """Make every kernel-capable module of an already kernelized model policy-aware.
+
+    For models kernelized by ``kernels.kernelize`` or by transformers'
+    ``use_kernels=True``. Idempotent; returns ``model``.
+
+    >>> import torch, kernels, kernelpolicy
+    >>> @kernels.use_kernel_forward_from_hub("Double")
+    ... class Double(torch.nn.Module):
+    ...     def forward(self, x):
+    ...         return 2 * x
+    >>> model = kernelpolicy.attach(torch.nn.Sequential(Double()))
+    >>> with kernelpolicy.kernel_policy("require"):
+    ...     model(torch.ones(1))
+    Traceback (most recent call last):
+    ...
+    kernelpolicy._errors.KernelUnavailableError: kernel required but unavailable for module '0' (...Double, kernel layer 'Double'): no kernel bound
+    """
+    ensure_env()
+    for name, module in kernel_modules(model):
+        _make_aware(module, name or None)
+    return model
+
+
+def kernelize(
+    model: M,
+    *,
+    mode: Any,
+    device: str | torch.device | None = None,
+    use_fallback: Any = True,
+) -> M:
+    """``kernels.kernelize`` with the same arguments, then :func:`attach`.
+
+    ``mode`` is a ``kernels.Mode`` or a string such as ``"inference"`` or
+    ``"training|torch_compile"``.
+    """
+    import kernels
+
+    kernels.kernelize(model, mode=_kernels_mode(mode), device=device, use_fallback=use_fallback)
+    return attach(model)
+
+
+def _kernels_mode(mode: Any) -> Any:
+    from kernels import Mode
+
+    if isinstance(mode, Mode):
+        return mode
+    valid = ", ".join(repr(m.name.lower()) for m in Mode if m.name and m.name != "FALLBACK")
+    if not isinstance(mode, str) or not mode.strip():
+        raise ValueError(f"unknown kernelize mode {mode!r}; give a kernels.Mode or a '|'-joined string of {valid}")
+    result = None
+    for part in mode.split("|"):
+        member = Mode.__members__.get(part.strip().upper())
+        if member is None or member is Mode.FALLBACK:
+            raise ValueError(f"unknown kernelize mode {part.strip()!r} in {mode!r}; valid modes are {valid}")
+        result = member if result is None else result | member
+    return result
+
+
+def use_kernel_forward_from_hub(layer_name: str) -> Callable[[T], T]:
+    """Drop-in for ``kernels.use_kernel_forward_from_hub``: also policy-aware from the start.
+
+    On a class, every instance (and every instance of a subclass) is
+    policy-aware as soon as it is constructed, so ``require`` raises even
+    before any kernelize. On a function, the returned ``Func`` module is.
+    """
+    import kernels
+
+    mark = kernels.use_kernel_forward_from_hub(layer_name)
+
+    def decorator(obj: T) -> T:
+        marked = mark(obj)
+        if isinstance(marked, nn.Module):
+            _make_aware(marked, None)
+        elif inspect.isclass(marked):
+            _make_class_aware(cast("type", marked))
+        return cast("T", marked)
+
+    return decorator
+
+
+def replace_kernel_forward_from_hub(
+    cls: type[nn.Module], layer_name: str, condition: Callable[[nn.Module], bool] | None = None
+) -> None:
+    """Drop-in for ``kernels.replace_kernel_forward_from_hub`` that also makes ``cls`` policy-aware."""
+    import kernels
+
+    kernels.replace_kernel_forward_from_hub(cls, layer_name, condition)
+    _make_class_aware(cls)
+
+
+# --- making modules and classes aware ---------------------------------------------------------
+
+
+def _make_aware(module: nn.Module, path: str | None) -> None:
+    existing = binding_of(module)
+    if existing is not None:
+        if path is not None and existing.path is None:
+            existing.path = path
+        return
+    cls = type(module)
+    if not getattr(cls, "_kernelpolicy_aware", False):
+        module.__class__ = _aware_class(cls)
+    _bind(module, module.__dict__.get("forward"), path)
+
+
+def _bind(module: nn.Module, assigned: Any, path: str | None) -> None:
+    """Bind ``assigned`` (what was set as ``module.forward``) as the module's kernel."""
+    original = _class_forward(module)
+    kernel: Callable[..., Any] | None = None
+    if assigned is not None:
+        if isinstance(assigned, types.MethodType) and assigned.__self__ is module:
+            kernel = None if assigned.__func__ is original else assigned.__func__
+        elif callable(assigned):
+            bound = assigned
+            kernel = functools.wraps(bound)(lambda _module, *args, **kwargs: bound(*args, **kwargs))
+    kernel_class, repository = _kernel_origin(kernel)
+    binding = Binding(
+        module=module,
+        path=path,
+        layer_name=str(type(module).kernel_layer_name),  # type: ignore[attr-defined]
+        original=original,
+        kernel=kernel,
+        kernel_class=kernel_class,
+        repository=repository,
+    )
+    module.__dict__[BINDING] = binding
+    module.__dict__["forward"] = make_forward(binding)
+
+
+def _class_forward(module: nn.Module) -> Callable[..., Any]:
+    return cast("Callable[..., Any]", inspect.getattr_static(type(module), "forward"))
+
+
+def _kernel_origin(kernel: Callable[..., Any] | None) -> tuple[type | None, str | None]:
+    """The kernel layer class and a description of its repository, when known."""
+    if kernel is None:
+        return None, None
+    layer_module = sys.modules.get("kernels.layer.layer")
+    for repo, layer in dict(getattr(layer_module, "_CACHED_LAYER", {})).items():
+        if inspect.getattr_static(layer, "forward", None) is kernel:
+            where = getattr(repo, "_repo_id", None) or getattr(repo, "_repo_path", None)
+            name = getattr(repo, "layer_name", None) or getattr(repo, "func_name", None)
+            return layer, f"{where}:{name}" if where else str(name)
+    owner: Any = sys.modules.get(getattr(kernel, "__module__", "") or "")
+    for part in getattr(kernel, "__qualname__", "").split(".")[:-1]:
+        owner = getattr(owner, part, None)
+    return (owner, None) if inspect.isclass(owner) else (None, None)
+
+
+def _aware_class(cls: type[nn.Module]) -> type[nn.Module]:
+    found = _AWARE_CLASSES.get(cls)
+    if found is None:
+        namespace: dict[str, Any] = {
+            "__module__": cls.__module__,
+            "__qualname__": cls.__qualname__,
+            "__doc__": cls.__doc__,
+            "_kernelpolicy_original": cls,
+        }
+        namespace.update(_aware_members(cls))
+        found = _AWARE_CLASSES.setdefault(cls, type(cls.__name__, (cls,), namespace))
+    return found
+
+
+def _make_class_aware(cls: type[nn.Module]) -> None:
+    if cls.__dict__.get("_kernelpolicy_aware"):
+        return
+    for name, member in _aware_members(cls).items():
+        setattr(cls, name, member)
+    original_init = cls.__dict__.get("__init__") or cls.__init__
+
+    @functools.wraps(original_init)
+    def __init__(self: nn.Module, *args: Any, **kwargs: Any) -> None:
+        original_init(self, *args, **kwargs)
+        if binding_of(self) is None:
+            _bind(self, self.__dict__.get("forward"), None)
+
+    cls.__init__ = __init__  # type: ignore[method-assign]
+
+
+def _aware_members(cls: type[nn.Module]) -> dict[str, Any]:
+    """``__setattr__``, ``__delattr__``, ``_slow_forward`` and copy support for an aware class."""
+    parent_setattr = cls.__setattr__
+    parent_delattr = cls.__delattr__
+    parent_slow_forward: Callable[..., Any] = cls._slow_forward
+
+    def __setattr__(self: nn.Module, name: str, value: Any) -> None:
+        if name == "forward" and BINDING in self.__dict__:
+            _bind(self, value, self.__dict__[BINDING].path)
+        else:
+            parent_setattr(self, name, value)
+
+    def __delattr__(self: nn.Module, name: str) -> None:
+        if name == "forward" and BINDING in self.__dict__:
+            _bind(self, None, self.__dict__[BINDING].path)
+        else:
+            parent_delattr(self, name)
+
+    def _slow_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        binding = binding_of(self)
+        tracing_state = torch._C._get_tracing_state()
+        if binding is None or not tracing_state:
+            return parent_slow_forward(self, *args, **kwargs)
+        # As nn.Module._slow_forward does: record this module's scope in the trace.
+        module_map = torch.jit._trace._trace_module_map
+        scope = module_map.get(self) if module_map is not None else None
+        if scope:
+            tracing_state.push_scope(scope)
+        try:
+            mode = DEFAULTS.policy._current.mode_for(binding.layer_name)
+            return binding.slow(mode, args, kwargs, "jit")
+        finally:
+            if scope:
+                tracing_state.pop_scope()
+
+    def __reduce_ex__(self: nn.Module, protocol: Any) -> Any:
+        return (_restore, (_original_class(self), _own_state(self), None, _path(self)))
+
+    def __deepcopy__(self: nn.Module, memo: dict[int, Any]) -> nn.Module:
+        binding = binding_of(self)
+        cls = _original_class(self)
+        new = cls.__new__(cls)
+        memo[id(self)] = new
+        new.__dict__.update(copy.deepcopy(_own_state(self), memo))
+        kernel = binding.kernel if binding is not None else None
+        if kernel is not None:
+            new.__dict__["forward"] = types.MethodType(kernel, new)
+        _make_aware(new, _path(self))
+        return new
+
+    return {
+        "_kernelpolicy_aware": True,
+        "__setattr__": __setattr__,
+        "__delattr__": __delattr__,
+        "_slow_forward": _slow_forward,
+        "__reduce_ex__": __reduce_ex__,
+        "__deepcopy__": __deepcopy__,
+    }
+
+
+def _original_class(module: nn.Module) -> type[nn.Module]:
+    return cast("type[nn.Module]", getattr(type(module), "_kernelpolicy_original", type(module)))
+
+
+def _own_state(module: nn.Module) -> dict[str, Any]:
+    return {key: value for key, value in module.__dict__.items() if key not in _OURS}
+
+
+def _path(module: nn.Module) -> str | None:
+    binding = binding_of(module)
+    return binding.path if binding is not None else None
+
+
+def _restore(
+    cls: type[nn.Module], state: dict[str, Any], kernel: Callable[..., Any] | None, path: str | None
+) -> nn.Module:
+    module = cls.__new__(cls)
+    module.__setstate__(state)  # type: ignore[no-untyped-call]
+    if kernel is not None:
+        module.__dict__["forward"] = types.MethodType(kernel, module)
+    _make_aware(module, path)
+    return module

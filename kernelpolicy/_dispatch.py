@@ -1,0 +1,255 @@
+"""The per-call decision: kernel forward or original forward. The hot path.
+
+This module owns :func:`decide` (the decision table, a pure function used by
+the slow path and by ``explain``) and :func:`make_forward`, which builds the
+closure a policy-aware module calls as its ``forward``.
+
+The closure reads the policy once (``DEFAULTS.policy._current``, see
+``_policy``), looks up the layer's mode, and takes a fast exit in the common
+cases: ``disable``; a usable kernel under ``prefer`` or ``require``; no
+kernel under ``prefer``. Everything else goes to :meth:`Binding.slow`, which
+applies :func:`decide` and raises or logs. Nothing on the hot path allocates,
+logs, locks or calls ``ContextVar.get`` directly, so TorchDynamo traces it
+without a graph break and guards on the policy read.
+
+The decision table (``usable``: eager or a traceable kernel, and not a kernel
+without backward while the module trains with grad enabled):
+
+======= ============= ======== ===================================
+mode    kernel bound  usable   path
+======= ============= ======== ===================================
+disable any           any      original
+prefer  no            --       original
+prefer  yes           no       original (logged once per reason)
+prefer  yes           yes      kernel
+require no            --       KernelUnavailableError
+require yes           no       KernelUnavailableError (see below)
+require yes           yes      kernel
+======= ============= ======== ===================================
+
+A traced program cannot raise, so under ``torch.compile`` a ``require``
+failure first breaks the graph (``torch._dynamo.graph_break`` with the error
+message): with ``fullgraph=True`` compilation fails with
+``torch._dynamo.exc.Unsupported`` carrying that message; with
+``fullgraph=False`` the :class:`KernelUnavailableError` is raised at run time
+by the code after the break. It never runs the untraceable kernel silently.
+Under export, fx and jit tracing the Python code runs, so the error is raised
+as in eager code.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, Final, Literal, final
+
+import torch
+from torch.compiler import is_dynamo_compiling as _is_dynamo
+
+from . import _state
+from ._errors import KernelUnavailableError, unavailable_message
+from ._policy import DEFAULTS
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from torch import nn
+
+    from ._policy import Mode
+    from ._state import ExecutionState
+
+__all__ = ["Binding", "Path", "decide", "make_forward"]
+
+logger = logging.getLogger("kernelpolicy")
+
+Path = Literal["kernel", "original", "error"]
+
+NO_KERNEL: Final = "no kernel bound"
+DISABLED: Final = "disabled by policy"
+USABLE: Final = "kernel usable"
+
+
+def untraceable(state: ExecutionState) -> str:
+    return f"kernel cannot be traced under {state} (it does not declare can_torch_compile = True)"
+
+
+NO_BACKWARD: Final = "kernel has no backward (has_backward = False) and the module is training with grad enabled"
+
+
+def decide(
+    mode: Mode,
+    *,
+    has_kernel: bool,
+    can_torch_compile: bool,
+    has_backward: bool,
+    state: ExecutionState,
+    needs_backward: bool,
+) -> tuple[Path, str]:
+    """The path one call takes, and why.
+
+    >>> decide("prefer", has_kernel=True, can_torch_compile=False, has_backward=True,
+    ...        state="compile", needs_backward=False)
+    ('original', 'kernel cannot be traced under compile (it does not declare can_torch_compile = True)')
+    """
+    if mode == "disable":
+        return "original", DISABLED
+    if not has_kernel:
+        reason = NO_KERNEL
+    elif state != "eager" and not can_torch_compile:
+        reason = untraceable(state)
+    elif needs_backward and not has_backward:
+        reason = NO_BACKWARD
+    else:
+        return "kernel", USABLE
+    return ("error" if mode == "require" else "original"), reason
+
+
+_logged: set[tuple[str, str]] = set()
+
+
+@final
+class Binding:
+    """What kernelpolicy knows about one policy-aware module.
+
+    ``kernel`` is called as ``kernel(module, *args, **kwargs)`` (the kernel
+    layer's ``forward`` function); ``original`` likewise.
+    """
+
+    __slots__ = (
+        "can_torch_compile",
+        "has_backward",
+        "kernel",
+        "kernel_class",
+        "layer_name",
+        "module",
+        "module_class",
+        "original",
+        "path",
+        "repository",
+    )
+
+    def __init__(
+        self,
+        *,
+        module: nn.Module,
+        path: str | None,
+        layer_name: str,
+        original: Callable[..., Any],
+        kernel: Callable[..., Any] | None,
+        kernel_class: type | None,
+        repository: str | None,
+    ) -> None:
+        self.module = module
+        self.path = path
+        self.layer_name = layer_name
+        self.module_class = _class_name(module)
+        self.original = original
+        self.kernel = kernel
+        self.kernel_class = kernel_class
+        self.repository = repository
+        self.can_torch_compile = kernel is not None and getattr(kernel_class, "can_torch_compile", False) is True
+        self.has_backward = kernel is None or getattr(kernel_class, "has_backward", True) is not False
+
+    def needs_backward(self) -> bool:
+        return self.module.training and torch.is_grad_enabled()
+
+    def decide(self, mode: Mode, state: ExecutionState) -> tuple[Path, str]:
+        return decide(
+            mode,
+            has_kernel=self.kernel is not None,
+            can_torch_compile=self.can_torch_compile,
+            has_backward=self.has_backward,
+            state=state,
+            needs_backward=self.needs_backward(),
+        )
+
+    def slow(
+        self, mode: Mode, args: tuple[Any, ...], kwargs: dict[str, Any], state: ExecutionState | None = None
+    ) -> Any:
+        """Every call the fast exits of the forward closure do not take."""
+        if state is None:
+            state = _state.execution_state()
+        path, reason = self.decide(mode, state)
+        if path == "kernel":
+            return self.kernel(self.module, *args, **kwargs)  # type: ignore[misc]
+        if path == "original":
+            if self.kernel is not None and reason != DISABLED and not _is_dynamo():
+                self._log_fallback(reason)
+            return self.original(self.module, *args, **kwargs)
+        if _is_dynamo():
+            # Constructing or raising an exception in traced code is unsupported;
+            # break the graph here so that fullgraph=True fails with this message
+            # and fullgraph=False raises the error below, eagerly.
+            torch._dynamo.graph_break(msg=unavailable_message(self.path, self.layer_name, self.module_class, reason))
+        raise self.error(reason)
+
+    def error(self, reason: str) -> KernelUnavailableError:
+        return KernelUnavailableError(
+            path=self.path, layer_name=self.layer_name, module_class=self.module_class, reason=reason
+        )
+
+    def _log_fallback(self, reason: str) -> None:
+        key = (self.layer_name, reason)
+        if key not in _logged:
+            _logged.add(key)
+            logger.info(
+                "kernel layer %r (%s at %r) falls back to its original forward: %s",
+                self.layer_name,
+                self.module_class,
+                self.path,
+                reason,
+            )
+
+
+def _class_name(module: nn.Module) -> str:
+    cls = getattr(type(module), "_kernelpolicy_original", type(module))
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def make_forward(binding: Binding) -> Callable[..., Any]:
+    """Build the ``forward`` a policy-aware module calls.
+
+    Three variants, chosen once per binding so that each call tests only what
+    can change between calls (the policy, the tracer, the autograd state).
+    """
+    module = binding.module
+    name = binding.layer_name
+    original = binding.original
+    kernel = binding.kernel
+    slow = binding.slow
+    defaults = DEFAULTS
+    is_tracing = _state.is_tracing
+
+    if kernel is None:
+
+        def forward_without_kernel(*args: Any, **kwargs: Any) -> Any:
+            policy = defaults.policy._current
+            mode = policy._modes.get(name, policy._default)
+            if mode == "require":
+                return slow(mode, args, kwargs)
+            return original(module, *args, **kwargs)
+
+        return forward_without_kernel
+
+    if binding.can_torch_compile and binding.has_backward:
+
+        def forward_always_usable(*args: Any, **kwargs: Any) -> Any:
+            policy = defaults.policy._current
+            if policy._modes.get(name, policy._default) == "disable":
+                return original(module, *args, **kwargs)
+            return kernel(module, *args, **kwargs)
+
+        return forward_always_usable
+
+    has_backward = binding.has_backward
+    is_grad_enabled = torch.is_grad_enabled
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        policy = defaults.policy._current
+        mode = policy._modes.get(name, policy._default)
+        if mode == "disable":
+            return original(module, *args, **kwargs)
+        if is_tracing() or not (has_backward or not module.training or not is_grad_enabled()):
+            return slow(mode, args, kwargs)
+        return kernel(module, *args, **kwargs)
+
+    return forward

@@ -1,0 +1,50 @@
+"""The exceptions kernelpolicy raises, in one place.
+
+- :class:`PolicyError` -- bad policy input, raised where the policy is written
+  (a scope, ``set_default_policy``, ``Policy.parse``, the ``KERNELPOLICY``
+  variable), never inside a forward.
+- :class:`ScopeError` -- a scope used out of order (exited twice, exited in
+  another thread or context than it was entered in).
+- :class:`KernelUnavailableError` -- ``require`` asked for a kernel that cannot
+  run for this call.
+"""
+
+from __future__ import annotations
+
+__all__ = ["KernelUnavailableError", "PolicyError", "ScopeError"]
+
+
+class PolicyError(ValueError):
+    """A malformed policy: unknown mode, bad layer name, bad syntax."""
+
+
+class ScopeError(RuntimeError):
+    """A policy scope was exited out of order or in another context."""
+
+
+class KernelUnavailableError(RuntimeError):
+    """``require`` is in effect for a layer whose kernel cannot run now.
+
+    Attributes name the module (its qualified path in the model when known),
+    the kernel layer name, the module class and the reason.
+    """
+
+    def __init__(self, *, path: str | None, layer_name: str, module_class: str, reason: str) -> None:
+        self.path = path
+        self.layer_name = layer_name
+        self.module_class = module_class
+        self.reason = reason
+        super().__init__(unavailable_message(path, layer_name, module_class, reason))
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_rebuild_unavailable, (self.path, self.layer_name, self.module_class, self.reason))
+
+
+def unavailable_message(path: str | None, layer_name: str, module_class: str, reason: str) -> str:
+    """The message of :class:`KernelUnavailableError` (plain function: TorchDynamo traces it)."""
+    where = f"module {path!r}" if path else "a module"
+    return f"kernel required but unavailable for {where} ({module_class}, kernel layer {layer_name!r}): {reason}"
+
+
+def _rebuild_unavailable(path: str | None, layer_name: str, module_class: str, reason: str) -> KernelUnavailableError:
+    return KernelUnavailableError(path=path, layer_name=layer_name, module_class=module_class, reason=reason)

@@ -1,0 +1,143 @@
+"""Introspection: which path each kernel layer of a model would take now.
+
+This module owns :func:`explain` and its rows. It asks the same decision
+function the forward uses (``_dispatch.decide``), with the policy, execution
+state and autograd state of the caller, so what it prints is what a call made
+at the same place would do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from typing import TYPE_CHECKING
+
+from ._binding import binding_of, kernel_modules
+from ._policy import Mode, current_policy
+from ._state import ExecutionState, execution_state
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+    from torch import nn
+
+    from ._dispatch import Path
+
+__all__ = ["Explanation", "LayerRow", "explain"]
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerRow:
+    """One kernel-capable module and the path its next call would take."""
+
+    name: str
+    layer_name: str
+    module_class: str
+    kernel: str | None
+    can_torch_compile: bool
+    has_backward: bool
+    mode: Mode
+    path: Path
+    reason: str
+    policy_aware: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Explanation:
+    """The rows of :func:`explain`; ``str()`` renders an aligned table."""
+
+    rows: tuple[LayerRow, ...]
+    policy: str
+    state: ExecutionState
+
+    def __iter__(self) -> Iterator[LayerRow]:
+        return iter(self.rows)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __str__(self) -> str:
+        header = ("module", "layer", "class", "kernel", "compile", "backward", "mode", "path", "reason")
+        body = [
+            (
+                row.name or "(root)",
+                row.layer_name,
+                row.module_class.rsplit(".", 1)[-1],
+                row.kernel or "-",
+                "yes" if row.can_torch_compile else "no",
+                "yes" if row.has_backward else "no",
+                row.mode,
+                row.path,
+                row.reason,
+            )
+            for row in self.rows
+        ]
+        widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
+        lines = [f"policy: {self.policy}   state: {self.state}"]
+        for line in [header, tuple("-" * w for w in widths), *body]:
+            lines.append("  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip())
+        return "\n".join(lines)
+
+
+def explain(model: nn.Module) -> Explanation:
+    """Describe every kernel-capable module of ``model`` under the policy in effect here.
+
+    >>> import torch, kernelpolicy
+    >>> @kernelpolicy.use_kernel_forward_from_hub("Double")
+    ... class Double(torch.nn.Module):
+    ...     def forward(self, x):
+    ...         return 2 * x
+    >>> with kernelpolicy.kernel_policy(Double="require"):
+    ...     [(row.name, row.mode, row.path, row.reason) for row in kernelpolicy.explain(torch.nn.Sequential(Double()))]
+    [('0', 'require', 'error', 'no kernel bound')]
+    """
+    policy = current_policy()
+    state = execution_state()
+    rows = []
+    for name, module in kernel_modules(model):
+        layer_name = str(type(module).kernel_layer_name)  # type: ignore[attr-defined]
+        mode = policy.mode_for(layer_name)
+        binding = binding_of(module)
+        if binding is not None:
+            path, reason = binding.decide(mode, state)
+            kernel = binding.kernel
+            kernel_name = binding.repository or _kernel_name(binding.kernel_class, kernel)
+            rows.append(
+                LayerRow(
+                    name=name,
+                    layer_name=layer_name,
+                    module_class=binding.module_class,
+                    kernel=kernel_name if kernel is not None else None,
+                    can_torch_compile=binding.can_torch_compile,
+                    has_backward=binding.has_backward,
+                    mode=mode,
+                    path=path,
+                    reason=reason,
+                    policy_aware=True,
+                )
+            )
+        else:
+            bound = module.__dict__.get("forward")
+            has_kernel = isinstance(bound, types.MethodType) and bound.__func__ is not type(module).forward
+            cls = type(module)
+            rows.append(
+                LayerRow(
+                    name=name,
+                    layer_name=layer_name,
+                    module_class=f"{cls.__module__}.{cls.__qualname__}",
+                    kernel=getattr(bound, "__qualname__", None) if has_kernel else None,
+                    can_torch_compile=False,
+                    has_backward=True,
+                    mode=mode,
+                    path="kernel" if has_kernel else "original",
+                    reason="not policy-aware: call kernelpolicy.attach(model)",
+                    policy_aware=False,
+                )
+            )
+    return Explanation(rows=tuple(rows), policy=str(policy), state=state)
+
+
+def _kernel_name(kernel_class: type | None, kernel: object) -> str:
+    if kernel_class is not None:
+        return f"{kernel_class.__module__}.{kernel_class.__qualname__}"
+    return str(getattr(kernel, "__qualname__", kernel))

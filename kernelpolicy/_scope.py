@@ -1,0 +1,334 @@
+"""Scopes: how code changes the policy in effect.
+
+This module owns :class:`kernel_policy` (context manager and decorator),
+:func:`kernels_disabled`, :func:`set_default_policy` and :func:`propagate`.
+
+The nesting rule is *a scope decides what it names*: a positional mode (or a
+:class:`~kernelpolicy.Policy` value) names every layer, keyword layers name
+only themselves, and everything else is inherited from the enclosing scope,
+captured when the scope is entered (as :func:`decimal.localcontext` does).
+
+Guarantees:
+
+- State lives in a :class:`contextvars.ContextVar`, so scopes are isolated per
+  thread and per asyncio task. A new thread starts from the process default
+  (Python < 3.14 threads do not inherit contexts); :func:`propagate` carries a
+  policy into a worker explicitly.
+- A scope object keeps no per-entry state on itself: one object may be a
+  module constant, entered from many threads and tasks at once and nested in
+  itself.
+- Exceptions pass through unchanged and the previous policy is restored
+  exactly, also on ``GeneratorExit`` and task cancellation. Exiting scopes out
+  of order raises :class:`~kernelpolicy.ScopeError` instead of silently
+  restoring the wrong policy.
+- As a decorator: on a sync function or ``async def`` coroutine the policy
+  holds while the body runs; on a generator or async generator function the
+  body runs in its own copy of the caller's context (taken at call time), so
+  the policy holds across its yields and the consumer never sees it.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import inspect
+from contextvars import ContextVar, Token
+from typing import TYPE_CHECKING, Any, TypeVar, cast, final
+
+from ._errors import PolicyError, ScopeError
+from ._policy import _SCOPED, BUILTIN, DEFAULTS, Mode, Policy, check_layer_name, check_mode, ensure_env
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncGenerator, Awaitable, Callable, Generator, Mapping
+    from types import TracebackType
+
+__all__ = ["kernel_policy", "kernels_disabled", "propagate", "set_default_policy"]
+
+F = TypeVar("F", bound="Callable[..., Any]")
+
+# (scope, token of its _SCOPED.set, enclosing frame): the entries of this context.
+_Frame = tuple["kernel_policy", Token[Policy], "Any"]
+_FRAMES: ContextVar[_Frame | None] = ContextVar("kernelpolicy.frames", default=None)
+_CACHE_LIMIT = 64
+
+
+def _validated(mode: object, layers: Mapping[str, object]) -> tuple[Policy | None, Mode | None, dict[str, Mode]]:
+    """Check scope arguments eagerly; return (fixed policy, default mode, layer modes)."""
+    checked = {check_layer_name(name): check_mode(value, f"layer {name!r}") for name, value in layers.items()}
+    if isinstance(mode, Policy):
+        if checked:
+            raise PolicyError(f"give either a Policy or layer modes, not both (got {mode!r} and {sorted(checked)})")
+        return mode, None, {}
+    if mode is None:
+        return None, None, checked
+    return None, check_mode(mode, "the default"), checked
+
+
+@final
+class kernel_policy:  # noqa: N801 - lowercase like numpy.errstate and decimal.localcontext
+    """Set the kernel policy for a block, a function, a coroutine or a generator.
+
+    ``kernel_policy(mode=None, /, **layers)``: ``mode`` names every layer,
+    keyword arguments name single kernel layers (by the name given to
+    ``use_kernel_forward_from_hub``). A :class:`~kernelpolicy.Policy` value
+    may be passed instead of ``mode`` to re-apply a captured policy.
+
+    >>> from kernelpolicy import current_policy, kernel_policy
+    >>> with kernel_policy("prefer", RMSNorm="disable"):
+    ...     with kernel_policy(SiLU="require"):
+    ...         print(current_policy())
+    prefer,RMSNorm=disable,SiLU=require
+    >>> @kernel_policy("disable")
+    ... def reference_logits():
+    ...     return current_policy().default
+    >>> reference_logits()
+    'disable'
+
+    Entering returns the policy now in effect. Bad arguments raise
+    :class:`~kernelpolicy.PolicyError` here, never later in a forward.
+    """
+
+    __slots__ = ("_cache", "_fixed", "_layers", "_mode")
+
+    def __init__(self, mode: Mode | Policy | None = None, /, **layers: Mode) -> None:
+        self._fixed, self._mode, self._layers = _validated(mode, layers)
+        self._cache: dict[Policy, Policy] = {}
+
+    def resolve(self, enclosing: Policy) -> Policy:
+        """The policy this scope puts in effect inside ``enclosing``."""
+        if self._fixed is not None:
+            return self._fixed
+        found = self._cache.get(enclosing)
+        if found is None:
+            found = enclosing.overlay(self._mode, self._layers)
+            if len(self._cache) >= _CACHE_LIMIT:
+                self._cache.clear()
+            self._cache[enclosing] = found
+        return found
+
+    def __enter__(self) -> Policy:
+        ensure_env()
+        policy = self.resolve(DEFAULTS.policy._current)
+        token = _SCOPED.set(policy)
+        _FRAMES.set((self, token, _FRAMES.get()))
+        return policy
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        frame = _FRAMES.get()
+        if frame is None or frame[0] is not self:
+            raise ScopeError(
+                f"{self!r} exited out of order: "
+                + (
+                    "no scope is active in this context (exited twice, or in another thread or task?)"
+                    if frame is None
+                    else f"the innermost active scope here is {frame[0]!r}"
+                )
+            )
+        try:
+            _SCOPED.reset(frame[1])
+        except ValueError as error:  # token from another Context
+            raise ScopeError(f"{self!r} exited in another context than it was entered in") from error
+        _FRAMES.set(frame[2])
+
+    def __call__(self, fn: F) -> F:
+        """Decorate ``fn`` so that its body runs under this scope (see the module docstring)."""
+        if not callable(fn) or inspect.isclass(fn):
+            raise TypeError(f"kernel_policy can decorate functions, not {fn!r}")
+        if inspect.isasyncgenfunction(fn):
+            return cast("F", self._wrap_async_generator(fn))
+        if inspect.iscoroutinefunction(fn):
+            return cast("F", self._wrap_coroutine(fn))
+        if inspect.isgeneratorfunction(fn):
+            return cast("F", self._wrap_generator(fn))
+
+        @functools.wraps(fn)
+        def sync_wrapper(*args: Any, **kwargs: Any) -> Any:
+            with self:
+                return fn(*args, **kwargs)
+
+        return cast("F", sync_wrapper)
+
+    def _wrap_coroutine(self, fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+        # The coroutine runs in its caller's task; the caller is suspended
+        # while it awaits, so setting the scope around the body is exact.
+        @functools.wraps(fn)
+        async def coroutine_wrapper(*args: Any, **kwargs: Any) -> Any:
+            with self:
+                return await fn(*args, **kwargs)
+
+        return coroutine_wrapper
+
+    def _start(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        # Runs inside the generator's private context: the scope is never
+        # exited there, the context is dropped with the generator.
+        self.__enter__()
+        return fn(*args, **kwargs)
+
+    def _wrap_generator(self, fn: Callable[..., Generator[Any, Any, Any]]) -> Callable[..., Generator[Any, Any, Any]]:
+        @functools.wraps(fn)
+        def generator_wrapper(*args: Any, **kwargs: Any) -> Generator[Any, Any, Any]:
+            ctx = contextvars.copy_context()
+            gen = ctx.run(self._start, fn, args, kwargs)
+            try:
+                value = ctx.run(next, gen)
+            except StopIteration as stop:
+                return stop.value
+            while True:
+                try:
+                    sent = yield value
+                except GeneratorExit:
+                    ctx.run(gen.close)
+                    raise
+                except BaseException as exc:  # noqa: BLE001 - forwarded into the generator
+                    try:
+                        value = ctx.run(gen.throw, exc)
+                    except StopIteration as stop:
+                        return stop.value
+                else:
+                    try:
+                        value = ctx.run(gen.send, sent)
+                    except StopIteration as stop:
+                        return stop.value
+
+        return generator_wrapper
+
+    def _wrap_async_generator(
+        self, fn: Callable[..., AsyncGenerator[Any, Any]]
+    ) -> Callable[..., AsyncGenerator[Any, Any]]:
+        @functools.wraps(fn)
+        async def async_generator_wrapper(*args: Any, **kwargs: Any) -> AsyncGenerator[Any, Any]:
+            ctx = contextvars.copy_context()
+            agen = ctx.run(self._start, fn, args, kwargs)
+            try:
+                value = await _InContext(ctx, agen.__anext__())
+            except StopAsyncIteration:
+                return
+            while True:
+                try:
+                    sent = yield value
+                except GeneratorExit:
+                    await _InContext(ctx, agen.aclose())
+                    raise
+                except BaseException as exc:  # noqa: BLE001 - forwarded into the generator
+                    try:
+                        value = await _InContext(ctx, agen.athrow(exc))
+                    except StopAsyncIteration:
+                        return
+                else:
+                    try:
+                        value = await _InContext(ctx, agen.asend(sent))
+                    except StopAsyncIteration:
+                        return
+
+        return async_generator_wrapper
+
+    def __repr__(self) -> str:
+        if self._fixed is not None:
+            return f"kernel_policy({self._fixed!r})"
+        args = [repr(self._mode)] if self._mode is not None else []
+        args += [f"{name}={mode!r}" for name, mode in self._layers.items()]
+        return f"kernel_policy({', '.join(args)})"
+
+
+@final
+class _InContext:
+    """Await ``awaitable`` with every step of it run inside ``ctx``."""
+
+    __slots__ = ("_awaitable", "_ctx")
+
+    def __init__(self, ctx: contextvars.Context, awaitable: Awaitable[Any]) -> None:
+        self._ctx = ctx
+        self._awaitable = awaitable
+
+    def __await__(self) -> Generator[Any, Any, Any]:
+        steps = self._awaitable.__await__()
+        run = self._ctx.run
+        sent: Any = None
+        error: BaseException | None = None
+        while True:
+            try:
+                signal = run(steps.send, sent) if error is None else run(steps.throw, error)
+            except StopIteration as stop:
+                return stop.value
+            try:
+                sent, error = (yield signal), None
+            except BaseException as exc:  # noqa: BLE001 - forwarded into the awaitable
+                sent, error = None, exc
+
+
+_DISABLED_ALL = kernel_policy("disable")
+
+
+def kernels_disabled(*layer_names: str) -> kernel_policy:
+    """``kernel_policy("disable")``; with names, disable only those kernel layers.
+
+    >>> from kernelpolicy import current_policy, kernels_disabled
+    >>> with kernels_disabled():
+    ...     current_policy().mode_for("RMSNorm")
+    'disable'
+    >>> with kernels_disabled("RMSNorm"):
+    ...     current_policy().mode_for("RMSNorm"), current_policy().mode_for("SiLU")
+    ('disable', 'prefer')
+    """
+    if not layer_names:
+        return _DISABLED_ALL
+    seen: set[str] = set()
+    for name in layer_names:
+        check_layer_name(name)
+        if name in seen:
+            raise PolicyError(f"layer {name!r} named twice")
+        seen.add(name)
+    disable: Mode = "disable"
+    return kernel_policy(**dict.fromkeys(layer_names, disable))
+
+
+def set_default_policy(mode: Mode | Policy | None = None, /, **layers: Mode) -> Policy:
+    """Set the process-wide policy seen where no scope is active; return the previous one.
+
+    Arguments are those of :class:`kernel_policy` and layer over the
+    ``KERNELPOLICY`` variable (or the built-in ``prefer``): what the call names
+    wins, the rest comes from the variable. Called with no arguments it
+    restores the default from ``KERNELPOLICY``. It applies to every thread and
+    task, including ones already running; scopes active elsewhere keep the
+    policy they captured when they were entered. Thread-safe.
+
+    >>> import kernelpolicy
+    >>> previous = kernelpolicy.set_default_policy("disable")
+    >>> kernelpolicy.current_policy().default
+    'disable'
+    >>> _ = kernelpolicy.set_default_policy(previous)
+    """
+    fixed, default, checked = _validated(mode, layers)
+    ensure_env()
+    with DEFAULTS.lock:
+        previous = DEFAULTS.policy
+        base = DEFAULTS.env if DEFAULTS.env is not None else BUILTIN
+        if fixed is None and default is None and not checked:
+            DEFAULTS.explicit = None
+            DEFAULTS.policy = base
+        else:
+            new = fixed if fixed is not None else base.overlay(default, checked)
+            DEFAULTS.explicit = new
+            DEFAULTS.policy = new
+    return previous
+
+
+def propagate(fn: F) -> F:
+    """Wrap ``fn`` to run under the policy in effect now, wherever it is called.
+
+    Thread pools and ``loop.run_in_executor`` do not carry contexts; wrap the
+    callable before handing it over:
+
+    >>> from concurrent.futures import ThreadPoolExecutor
+    >>> from kernelpolicy import current_policy, kernels_disabled, propagate
+    >>> with ThreadPoolExecutor(1) as pool, kernels_disabled():
+    ...     pool.submit(propagate(lambda: str(current_policy()))).result()
+    'disable'
+    """
+    ensure_env()
+    return kernel_policy(DEFAULTS.policy._current)(fn)

@@ -1,0 +1,109 @@
+"""Local kernel repositories for tests, demos and benchmarks (no Hub needed).
+
+This module owns the on-disk layout that ``kernels`` loads offline on CPU::
+
+    <repo>/build/torch-cpu/metadata.json
+    <repo>/build/torch-cpu/__init__.py     # from . import layers
+    <repo>/build/torch-cpu/layers.py
+
+and a ready RMSNorm kernel whose behaviour is observable: a module-level call
+counter (eager calls only, so that ``torch.compile`` does not guard on it) and
+an optional output offset (to see the path inside a compiled graph).
+
+>>> import tempfile, pathlib
+>>> from kernelpolicy.testing import rms_norm_kernel_source, write_kernel_repo
+>>> repo = write_kernel_repo(pathlib.Path(tempfile.mkdtemp()), rms_norm_kernel_source())
+>>> sorted(p.name for p in (repo / "build" / "torch-cpu").iterdir())
+['__init__.py', 'layers.py', 'metadata.json']
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+import uuid
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from torch import nn
+
+__all__ = ["kernel_calls", "rms_norm_kernel_source", "write_kernel_repo"]
+
+
+def write_kernel_repo(root: Path, layers_source: str, *, name: str = "local-kernel") -> Path:
+    """Write a CPU kernel repository under ``root`` and return ``root``.
+
+    ``layers_source`` is the text of ``layers.py``. Each repository gets a
+    unique import name, so many can be loaded in one process.
+    """
+    ident = f"_{name.replace('-', '_')}_{uuid.uuid4().hex[:12]}"
+    build = root / "build" / "torch-cpu"
+    build.mkdir(parents=True, exist_ok=True)
+    metadata = {
+        "id": ident,
+        "name": name,
+        "version": 1,
+        "license": "Apache-2.0",
+        "python-depends": [],
+        "backend": {"type": "cpu"},
+    }
+    (build / "metadata.json").write_text(json.dumps(metadata, indent=2) + "\n")
+    (build / "__init__.py").write_text("from . import layers\n")
+    (build / "layers.py").write_text(textwrap.dedent(layers_source).lstrip())
+    return root
+
+
+def rms_norm_kernel_source(
+    *,
+    class_name: str = "RMSNorm",
+    offset: float = 0.0,
+    can_torch_compile: bool = False,
+    has_backward: bool = True,
+    scale: float = 1.0,
+) -> str:
+    """``layers.py`` for an RMSNorm kernel with the forward of ``LlamaRMSNorm``.
+
+    It reads ``self.weight`` and ``self.variance_epsilon``, computes what
+    Llama's RMSNorm computes, multiplies by ``scale`` and adds ``offset``
+    (``scale=1, offset=0``: bit-identical to the original), and counts its
+    eager calls in the module-level ``CALLS`` list.
+    """
+    return f"""
+        import torch
+        from torch import nn
+
+        CALLS = [0]
+
+
+        class {class_name}(nn.Module):
+            can_torch_compile = {can_torch_compile!r}
+            has_backward = {has_backward!r}
+
+            def forward(self, hidden_states):
+                if not torch.compiler.is_compiling():
+                    CALLS[0] += 1
+                input_dtype = hidden_states.dtype
+                hidden_states = hidden_states.to(torch.float32)
+                variance = hidden_states.pow(2).mean(-1, keepdim=True)
+                hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+                out = self.weight * hidden_states.to(input_dtype)
+                if {scale!r} != 1.0:
+                    out = out * {scale!r}
+                if {offset!r} != 0.0:
+                    out = out + {offset!r}
+                return out
+    """
+
+
+def kernel_calls(module: nn.Module) -> int:
+    """The eager call count of the kernel bound to a policy-aware ``module`` (0 if none)."""
+    from ._binding import binding_of
+
+    binding = binding_of(module)
+    if binding is None or binding.kernel_class is None:
+        return 0
+    calls = getattr(sys.modules.get(binding.kernel_class.__module__), "CALLS", None)
+    return int(calls[0]) if calls else 0

@@ -1,0 +1,7 @@
+from __future__ import annotations
+
+import kernelpolicy
+
+
+def test_default_is_prefer() -> None:
+    assert kernelpolicy.current_policy() is kernelpolicy.Policy("prefer")
