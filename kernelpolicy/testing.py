@@ -98,12 +98,15 @@ def rms_norm_kernel_source(
     """
 
 
-def kernel_calls(module: nn.Module) -> int:
-    """The eager call count of the kernel bound to a policy-aware ``module`` (0 if none)."""
-    from ._binding import binding_of
+def kernel_calls(model: nn.Module) -> int:
+    """Eager calls counted so far by the kernels bound under ``model`` (each kernel repo once)."""
+    from ._binding import binding_of, kernel_modules
 
-    binding = binding_of(module)
-    if binding is None or binding.kernel_class is None:
-        return 0
-    calls = getattr(sys.modules.get(binding.kernel_class.__module__), "CALLS", None)
-    return int(calls[0]) if calls else 0
+    counters = {}
+    for _, module in kernel_modules(model):
+        binding = binding_of(module)
+        if binding is not None and binding.kernel_class is not None:
+            calls = getattr(sys.modules.get(binding.kernel_class.__module__), "CALLS", None)
+            if calls is not None:
+                counters[id(calls)] = calls
+    return sum(int(calls[0]) for calls in counters.values())

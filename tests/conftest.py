@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
+import kernelpolicy
 from kernelpolicy import _policy
+from kernelpolicy._demo import DemoModel
+from kernelpolicy.testing import rms_norm_kernel_source, write_kernel_repo
 
 
 @pytest.fixture(autouse=True)
@@ -20,3 +26,50 @@ def _clean_policy_state(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     assert _policy.DEFAULTS.policy._current is before, "a test leaked a policy scope"
     _policy.DEFAULTS.explicit = None
     _policy.reload_env()
+
+
+# --- real local kernel repositories and kernelized models --------------------------------------
+
+REPO_SPECS: dict[str, dict[str, object]] = {
+    # bit-identical to the original forward, not traceable
+    "exact": {},
+    # traceable kernel that adds 100: its presence is visible in any output, compiled or not
+    "traceable": {"can_torch_compile": True, "offset": 100.0},
+    "untraceable": {"can_torch_compile": False, "offset": 100.0},
+    "no_backward": {"can_torch_compile": True, "has_backward": False, "offset": 100.0},
+}
+
+
+@pytest.fixture(scope="session")
+def kernel_repos(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("kernel-repos")
+    return {
+        name: write_kernel_repo(root / name, rms_norm_kernel_source(**spec))  # type: ignore[arg-type]
+        for name, spec in REPO_SPECS.items()
+    }
+
+
+@pytest.fixture
+def mapping(kernel_repos: dict[str, Path]) -> Callable[[str], Any]:
+    """``mapping(kind)``: a ``kernels.use_kernel_mapping`` context for one of the repos."""
+    import kernels
+
+    def make(kind: str) -> Any:
+        repo = kernels.LocalLayerRepository(repo_path=kernel_repos[kind], layer_name="RMSNorm")
+        return kernels.use_kernel_mapping({"RMSNorm": {"cpu": repo}})
+
+    return make
+
+
+@pytest.fixture
+def kernelized(mapping: Callable[[str], Any]) -> Callable[..., DemoModel]:
+    """``kernelized(kind, hidden=16)``: a DemoModel kernelized by kernelpolicy with that repo."""
+
+    def make(kind: str, hidden: int = 16, mode: str = "inference") -> DemoModel:
+        torch.manual_seed(0)
+        model = DemoModel(hidden).eval()
+        with mapping(kind):
+            kernelpolicy.kernelize(model, mode=mode, device="cpu")
+        return model
+
+    return make

@@ -1,0 +1,28 @@
+"""Command line: ``python -m kernelpolicy demo`` and ``python -m kernelpolicy doctor``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kernelpolicy", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("demo", help="kernelize a tiny model with a local kernel and show the path under several policies")
+    sub.add_parser("doctor", help="check on this torch that a policy switch changes the compiled path")
+    args = parser.parse_args(argv)
+    if args.command == "demo":
+        from ._demo import demo
+
+        demo()
+        return 0
+    from ._doctor import doctor
+
+    report = doctor()
+    print(report)
+    return 0 if report.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,149 @@
+"""``python -m kernelpolicy doctor``: check the compile mechanism on the installed torch.
+
+This module owns :func:`doctor`. The compile path rests on TorchDynamo
+tracing and guarding a read of ``property(ContextVar.get)`` (see ``_policy``).
+That is a detail of torch, so the doctor checks it for real on this install:
+one compiled model, ``fullgraph=True``, called under alternating policies in
+this thread and in a fresh thread, must follow each policy with no graph
+break, no stale graph and exactly one compile per distinct policy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import threading
+import types
+from importlib import metadata
+from typing import Any
+
+import torch
+from torch import nn
+
+from ._binding import attach
+from ._scope import kernel_policy, kernels_disabled
+
+__all__ = ["DoctorReport", "doctor"]
+
+MECHANISM = (
+    "policy read as DEFAULTS.policy._current, a property whose getter is ContextVar.get "
+    "(traced and guarded by TorchDynamo; no direct ContextVar.get call in traced code)"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class DoctorReport:
+    """What :func:`doctor` found; ``ok`` is True when every check passed."""
+
+    versions: dict[str, str]
+    mechanism: str
+    native_contextvar_get: bool
+    checks: tuple[tuple[str, bool, str], ...]
+
+    @property
+    def ok(self) -> bool:
+        return all(passed for _, passed, _ in self.checks)
+
+    def __str__(self) -> str:
+        lines = ["kernelpolicy doctor"]
+        lines += [f"  {name}: {version}" for name, version in self.versions.items()]
+        lines.append(f"  mechanism: {self.mechanism}")
+        native = "yes" if self.native_contextvar_get else "no (not needed)"
+        lines.append(f"  Dynamo traces ContextVar.get natively: {native}")
+        for name, passed, detail in self.checks:
+            lines.append(f"  [{'ok' if passed else 'FAIL'}] {name}: {detail}")
+        lines.append("result: " + ("all checks passed" if self.ok else "SOME CHECKS FAILED"))
+        return "\n".join(lines)
+
+
+class _DoctorLayer(nn.Module):
+    kernel_layer_name = "KernelpolicyDoctor"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + 1
+
+
+class _DoctorKernel(nn.Module):
+    can_torch_compile = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + 100
+
+
+def _version(name: str) -> str:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _native_contextvar_get() -> bool:
+    import contextvars
+
+    var: contextvars.ContextVar[int] = contextvars.ContextVar("kernelpolicy_doctor", default=1)
+
+    def read(x: torch.Tensor) -> torch.Tensor:
+        return x + var.get()
+
+    try:
+        torch.compile(read, backend="eager", fullgraph=True)(torch.zeros(1))
+    except Exception:  # noqa: BLE001 - any failure means "not supported"
+        return False
+    return True
+
+
+def doctor() -> DoctorReport:
+    """Run the checks; see :class:`DoctorReport`."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    versions = {
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "kernels": _version("kernels"),
+        "kernelpolicy": _version("kernelpolicy"),
+    }
+    layer = _DoctorLayer()
+    layer.forward = types.MethodType(_DoctorKernel.forward, layer)  # type: ignore[method-assign]  # as kernels does
+    attach(layer)
+    compiles = [0]
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        compiles[0] += 1
+        return gm.forward
+
+    torch._dynamo.reset()
+    breaks_before = sum(counters["graph_break"].values())
+    compiled = torch.compile(layer, backend=backend, fullgraph=True)
+    x = torch.zeros(1)
+    seen: list[float] = []
+    error = ""
+    try:
+        for scope in (kernel_policy(), kernels_disabled(), kernel_policy("prefer"), kernels_disabled()):
+            with scope:
+                seen.append(float(compiled(x)[0]))
+        thread_seen: list[float] = []
+
+        def in_thread() -> None:
+            with kernels_disabled():
+                thread_seen.append(float(compiled(x)[0]))
+            thread_seen.append(float(compiled(x)[0]))
+
+        worker = threading.Thread(target=in_thread)
+        worker.start()
+        worker.join()
+        seen += thread_seen
+    except Exception as exc:  # noqa: BLE001 - reported, not raised
+        error = f"{type(exc).__name__}: {exc}"
+    breaks = sum(counters["graph_break"].values()) - breaks_before
+    expected = [100.0, 1.0, 100.0, 1.0, 1.0, 100.0]
+    checks = (
+        ("compiles with fullgraph=True", not error, error or "no error"),
+        ("follows the policy of each call", seen == expected, f"outputs {seen}, expected {expected}"),
+        ("one compile per distinct policy", compiles[0] == 2, f"{compiles[0]} compiles for 2 policies"),
+        ("no graph breaks", breaks == 0, f"{breaks} graph breaks"),
+    )
+    torch._dynamo.reset()
+    return DoctorReport(
+        versions=versions, mechanism=MECHANISM, native_contextvar_get=_native_contextvar_get(), checks=checks
+    )

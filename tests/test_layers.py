@@ -1,0 +1,267 @@
+"""Policy-aware layers in eager mode, on real local kernel repositories loaded by kernels."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import pickle
+from collections.abc import Callable
+from typing import Any
+
+import kernels
+import pytest
+import torch
+from torch import nn
+
+import kernelpolicy as kp
+from kernelpolicy._binding import binding_of
+from kernelpolicy._demo import DemoModel, RMSNorm
+from kernelpolicy.testing import kernel_calls
+
+X = torch.randn(3, 16, generator=torch.Generator().manual_seed(1))
+
+
+def reference(model: DemoModel) -> torch.Tensor:
+    with kp.kernels_disabled():
+        return model(X)
+
+
+def counted(model: nn.Module, fn: Callable[[], Any]) -> tuple[int, Any]:
+    before = kernel_calls(model)
+    out = fn()
+    return kernel_calls(model) - before, out
+
+
+@pytest.mark.parametrize(
+    ("scope", "expected_calls"),
+    [
+        (kp.kernel_policy(), 3),
+        (kp.kernel_policy("prefer"), 3),
+        (kp.kernel_policy("require"), 3),
+        (kp.kernels_disabled(), 0),
+        (kp.kernel_policy(RMSNorm="disable"), 0),
+        (kp.kernel_policy("disable", RMSNorm="prefer"), 3),
+        (kp.kernel_policy("require", SiLU="disable"), 3),
+    ],
+)
+def test_policy_chooses_path_per_call(
+    kernelized: Callable[..., DemoModel], scope: kp.kernel_policy, expected_calls: int
+) -> None:
+    model = kernelized("exact")
+    ref = reference(model)
+    with scope:
+        calls, out = counted(model, lambda: model(X))
+    assert calls == expected_calls
+    # the exact kernel computes what the original computes
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
+def test_kernel_output_differs_from_original_when_kernel_does(kernelized: Callable[..., DemoModel]) -> None:
+    model = kernelized("traceable")  # adds 100 on every RMSNorm output
+    with_kernel = model(X)
+    without = reference(model)
+    # the last RMSNorm output is normalized (|mean| < 2) unless the kernel added 100
+    assert abs(without.mean().item()) < 2
+    assert with_kernel.mean().item() > 98
+
+
+def test_same_model_switches_back_and_forth(kernelized: Callable[..., DemoModel]) -> None:
+    model = kernelized("exact")
+    for _ in range(3):
+        assert counted(model, lambda: model(X))[0] == 3
+        with kp.kernels_disabled():
+            assert counted(model, lambda: model(X))[0] == 0
+
+
+def test_require_without_kernel_names_module_layer_and_reason(mapping: Callable[[str], Any]) -> None:
+    model = kp.attach(DemoModel(16))  # never kernelized: no kernel bound
+    with kp.kernel_policy("require"), pytest.raises(kp.KernelUnavailableError) as info:
+        model(X)
+    err = info.value
+    assert err.path == "blocks.0.1"
+    assert err.layer_name == "RMSNorm"
+    assert err.module_class.endswith("_demo.RMSNorm")
+    assert err.reason == "no kernel bound"
+    assert "'blocks.0.1'" in str(err)
+    assert "'RMSNorm'" in str(err)
+    assert "no kernel bound" in str(err)
+    # prefer and disable run the original
+    assert torch.isfinite(model(X)).all()
+
+
+def test_require_per_layer_only_hits_named_layer() -> None:
+    model = kp.attach(DemoModel(16))
+    with kp.kernel_policy(SiLU="require"):
+        model(X)  # RMSNorm is not named: prefer, no error
+    with kp.kernel_policy(RMSNorm="require"), pytest.raises(kp.KernelUnavailableError):
+        model(X)
+
+
+def test_no_backward_kernel_falls_back_while_training_with_grad(
+    kernelized: Callable[..., DemoModel], caplog: pytest.LogCaptureFixture
+) -> None:
+    model = kernelized("no_backward")
+    offset_present = lambda out: out.mean().item() > 50  # noqa: E731
+    model.train()
+    with caplog.at_level(logging.INFO, logger="kernelpolicy"):
+        for _ in range(3):
+            assert not offset_present(model(X))  # prefer: original forward
+    records = [r for r in caplog.records if r.name == "kernelpolicy"]
+    assert len(records) == 1, "one record per (layer name, reason)"
+    assert "has no backward" in records[0].getMessage()
+    with torch.no_grad():
+        assert offset_present(model(X))
+    with kp.kernel_policy("require"), pytest.raises(kp.KernelUnavailableError, match="kernel has no backward"):
+        model(X)
+    model.eval()
+    assert offset_present(model(X))
+    with kp.kernel_policy("require"):
+        assert offset_present(model(X))
+
+
+def test_rekernelize_updates_kernel_and_keeps_policy(
+    kernelized: Callable[..., DemoModel], mapping: Callable[[str], Any]
+) -> None:
+    model = kernelized("exact")
+    norm = model.norm
+    first = binding_of(norm)
+    assert first is not None and first.kernel is not None
+    with mapping("traceable"):
+        kernels.kernelize(model, mode=kernels.Mode.INFERENCE, device="cpu")  # plain kernels, not kernelpolicy
+    second = binding_of(norm)
+    assert second is not None and second.kernel is not first.kernel
+    assert model(X).mean().item() > 50  # the new kernel runs
+    with kp.kernels_disabled():
+        assert model(X).mean().item() < 50  # and kernelpolicy still decides
+
+
+def test_kernelize_fallback_means_no_kernel(mapping: Callable[[str], Any]) -> None:
+    model = DemoModel(16)
+    with mapping("untraceable"):
+        kp.kernelize(model, mode="inference|torch_compile", device="cpu")  # kernels keeps the original
+    binding = binding_of(model.norm)
+    assert binding is not None and binding.kernel is None
+    with kp.kernel_policy("require"), pytest.raises(kp.KernelUnavailableError, match="no kernel bound"):
+        model(X)
+
+
+def test_attach_after_plain_kernels_kernelize_is_idempotent_and_local(mapping: Callable[[str], Any]) -> None:
+    aware, plain = DemoModel(16), DemoModel(16)
+    with mapping("traceable"):
+        kernels.kernelize(aware, mode=kernels.Mode.INFERENCE, device="cpu")
+        kernels.kernelize(plain, mode=kernels.Mode.INFERENCE, device="cpu")
+    kp.attach(aware)
+    kp.attach(aware)
+    with kp.kernels_disabled():
+        assert aware(X).mean().item() < 50
+        # an instance that was never attached keeps what kernels bound, untouched
+        assert plain(X).mean().item() > 50
+    assert type(plain.norm) is RMSNorm
+    assert type(aware.norm).__name__ == "RMSNorm" and isinstance(aware.norm, RMSNorm)
+    assert binding_of(plain.norm) is None
+
+
+def test_unmarked_attach_targets_only_marked_modules() -> None:
+    model = kp.attach(nn.Sequential(nn.Linear(4, 4), nn.ReLU()))
+    assert all(binding_of(m) is None for m in model.modules())
+    assert len(kp.explain(model)) == 0
+
+
+def test_decorated_class_is_aware_from_construction() -> None:
+    @kp.use_kernel_forward_from_hub("Scale")
+    class Scale(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return 2 * x
+
+    class SubScale(Scale):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return 3 * x
+
+    layer, sub = Scale(), SubScale()
+    assert binding_of(layer) is not None and binding_of(sub) is not None
+    assert torch.equal(layer(torch.ones(1)), torch.tensor([2.0]))
+    assert torch.equal(sub(torch.ones(1)), torch.tensor([3.0]))
+    with kp.kernel_policy(Scale="require"), pytest.raises(kp.KernelUnavailableError, match="no kernel bound"):
+        layer(torch.ones(1))
+
+
+def test_function_kernels_via_use_kernelized_func() -> None:
+    @kp.use_kernel_forward_from_hub("silu_and_mul")
+    def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+        d = x.shape[-1] // 2
+        return nn.functional.silu(x[..., :d]) * x[..., d:]
+
+    @kernels.use_kernelized_func(silu_and_mul)
+    class Block(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return silu_and_mul(x)
+
+    model = kp.attach(nn.Sequential(Block()))
+    rows = kp.explain(model).rows
+    assert [(r.name, r.layer_name, r.path) for r in rows] == [("0.silu_and_mul", "silu_and_mul", "original")]
+    with kp.kernel_policy(silu_and_mul="require"), pytest.raises(kp.KernelUnavailableError):
+        model(torch.ones(1, 4))
+
+
+def test_explain_rows_and_table(kernelized: Callable[..., DemoModel]) -> None:
+    model = kernelized("traceable")
+    table = kp.explain(model)
+    assert [r.name for r in table] == ["blocks.0.1", "blocks.1.1", "norm"]
+    row = table.rows[0]
+    assert (row.layer_name, row.mode, row.path, row.reason) == ("RMSNorm", "prefer", "kernel", "kernel usable")
+    assert row.kernel is not None and row.kernel.endswith(":RMSNorm")
+    assert row.can_torch_compile and row.has_backward and row.policy_aware
+    with kp.kernel_policy(RMSNorm="disable"):
+        disabled = kp.explain(model)
+    assert {(r.mode, r.path, r.reason) for r in disabled} == {("disable", "original", "disabled by policy")}
+    text = str(table)
+    assert text.splitlines()[0] == "policy: prefer   state: eager"
+    assert "blocks.1.1" in text and "kernel usable" in text
+    header, rule, first = text.splitlines()[1:4]
+    assert header.index("layer") == first.index("RMSNorm") == rule.index(" -") + 1, "columns are aligned"
+
+
+def test_explain_marks_modules_that_are_not_policy_aware(mapping: Callable[[str], Any]) -> None:
+    model = DemoModel(16)
+    with mapping("traceable"):
+        kernels.kernelize(model, mode=kernels.Mode.INFERENCE, device="cpu")
+    rows = kp.explain(model).rows
+    assert {r.policy_aware for r in rows} == {False}
+    assert {r.path for r in rows} == {"kernel"}
+
+
+def test_deepcopy_keeps_kernel_and_awareness(kernelized: Callable[..., DemoModel]) -> None:
+    model = kernelized("traceable")
+    clone = copy.deepcopy(model)
+    assert binding_of(clone.norm) is not None and binding_of(clone.norm).module is clone.norm  # type: ignore[union-attr]
+    torch.testing.assert_close(clone(X), model(X))
+    with torch.no_grad():
+        clone.norm.weight.mul_(2)
+    assert not torch.allclose(clone(X), model(X)), "the copy runs on its own parameters"
+    with kp.kernels_disabled():
+        assert clone(X).mean().item() < 50
+
+
+def test_pickle_round_trip_drops_kernel_keeps_awareness(kernelized: Callable[..., DemoModel]) -> None:
+    model = kernelized("traceable")
+    loaded = pickle.loads(pickle.dumps(model))
+    binding = binding_of(loaded.norm)
+    assert binding is not None and binding.kernel is None
+    assert binding.path == "norm"
+    torch.testing.assert_close(loaded(X), reference(model))
+
+
+def test_kernelize_rejects_unknown_mode() -> None:
+    with pytest.raises(ValueError, match="'inferense'") as info:
+        kp.kernelize(DemoModel(16), mode="inferense", device="cpu")
+    assert "'inference'" in str(info.value)
+
+
+def test_hooks_still_run(kernelized: Callable[..., DemoModel]) -> None:
+    model = kernelized("exact")
+    seen: list[str] = []
+    model.norm.register_forward_hook(lambda m, i, o: seen.append("hook"))
+    model(X)
+    with kp.kernels_disabled():
+        model(X)
+    assert seen == ["hook", "hook"]

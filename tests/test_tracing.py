@@ -1,0 +1,175 @@
+"""The path in each execution state: eager, torch.compile, torch.export, jit.trace, fx.
+
+Kernels under test add 100 to their output, so the path is read off the
+traced program's output (Python counters do not run inside a compiled graph).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch._dynamo
+from torch._dynamo.utils import counters
+
+import kernelpolicy as kp
+from kernelpolicy._demo import DemoModel
+
+X = torch.randn(3, 16, generator=torch.Generator().manual_seed(2))
+
+
+def kernel_ran(out: torch.Tensor) -> bool:
+    return out.mean().item() > 50
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo() -> None:
+    torch._dynamo.reset()
+    counters.clear()
+
+
+def graph_breaks() -> int:
+    return sum(counters["graph_break"].values())
+
+
+# (policy scope, kernel kind) -> does the kernel run under tracing?
+CASES = [
+    ("prefer", "traceable", True),
+    ("prefer", "untraceable", False),
+    ("disable", "traceable", False),
+    ("disable", "untraceable", False),
+    ("require", "traceable", True),
+]
+
+
+def scope(mode: str) -> contextlib.AbstractContextManager[object]:
+    return kp.kernel_policy(mode)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("mode", "kind", "kernel_expected"), CASES)
+def test_eager_prefers_any_bound_kernel(
+    kernelized: Callable[..., DemoModel], mode: str, kind: str, kernel_expected: bool
+) -> None:
+    model = kernelized(kind)
+    with scope(mode):
+        assert kernel_ran(model(X)) is (mode != "disable")
+    assert kp.execution_state() == "eager"
+
+
+@pytest.mark.parametrize("fullgraph", [True, False])
+@pytest.mark.parametrize(("mode", "kind", "kernel_expected"), CASES)
+def test_compile(
+    kernelized: Callable[..., DemoModel], mode: str, kind: str, kernel_expected: bool, fullgraph: bool
+) -> None:
+    model = kernelized(kind)
+    compiled = torch.compile(model, backend="eager", fullgraph=fullgraph)
+    with scope(mode):
+        out = compiled(X)
+        expected = model(X) if kernel_expected else None
+    assert kernel_ran(out) is kernel_expected
+    if expected is not None:
+        torch.testing.assert_close(out, expected)
+    assert graph_breaks() == 0
+
+
+def test_compile_default_inductor_backend(kernelized: Callable[..., DemoModel]) -> None:
+    model = kernelized("traceable")
+    compiled = torch.compile(model, fullgraph=True)
+    torch.testing.assert_close(compiled(X), model(X), rtol=1e-4, atol=1e-4)
+    with kp.kernels_disabled():
+        torch.testing.assert_close(compiled(X), model(X), rtol=1e-4, atol=1e-4)
+        assert not kernel_ran(compiled(X))
+    assert graph_breaks() == 0
+
+
+def test_require_untraceable_under_fullgraph_fails_compilation_with_reason(
+    kernelized: Callable[..., DemoModel],
+) -> None:
+    model = kernelized("untraceable")
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    with kp.kernel_policy("require"), pytest.raises(torch._dynamo.exc.Unsupported) as info:
+        compiled(X)
+    message = str(info.value)
+    assert "kernel required but unavailable for module 'blocks.0.1'" in message
+    assert "kernel cannot be traced under compile" in message
+
+
+def test_require_untraceable_without_fullgraph_raises_kernel_unavailable(kernelized: Callable[..., DemoModel]) -> None:
+    model = kernelized("untraceable")
+    compiled = torch.compile(model, backend="eager")
+    with kp.kernel_policy("require"), pytest.raises(kp.KernelUnavailableError) as info:
+        compiled(X)
+    assert info.value.reason.startswith("kernel cannot be traced under compile")
+    assert info.value.path == "blocks.0.1"
+
+
+@pytest.mark.parametrize(("mode", "kind", "kernel_expected"), CASES)
+def test_export_follows_policy_at_export_time(
+    kernelized: Callable[..., DemoModel], mode: str, kind: str, kernel_expected: bool
+) -> None:
+    model = kernelized(kind)
+    with scope(mode):
+        exported = torch.export.export(model, (X,))
+        expected = model(X) if kernel_expected else None
+    out = exported.module()(X)  # run outside the scope: the program is fixed at export time
+    assert kernel_ran(out) is kernel_expected
+    if expected is not None:
+        torch.testing.assert_close(out, expected)
+    else:
+        with kp.kernels_disabled():
+            torch.testing.assert_close(out, model(X))
+
+
+def test_export_strict_uses_dynamo_rules(kernelized: Callable[..., DemoModel]) -> None:
+    model = kernelized("untraceable")
+    out = torch.export.export(model, (X,), strict=True).module()(X)
+    assert not kernel_ran(out)
+    traceable = kernelized("traceable")
+    assert kernel_ran(torch.export.export(traceable, (X,), strict=True).module()(X))
+
+
+@pytest.mark.parametrize("tracer", ["export", "jit", "fx"])
+def test_require_untraceable_raises_under_python_tracers(kernelized: Callable[..., DemoModel], tracer: str) -> None:
+    model = kernelized("untraceable")
+    with kp.kernel_policy("require"), pytest.raises(kp.KernelUnavailableError) as info:
+        if tracer == "export":
+            torch.export.export(model, (X,))
+        elif tracer == "jit":
+            torch.jit.trace(model, (X,), check_trace=False)
+        else:
+            torch.fx.symbolic_trace(model)
+    assert info.value.reason.startswith(f"kernel cannot be traced under {tracer}")
+
+
+@pytest.mark.parametrize(("mode", "kind", "kernel_expected"), CASES)
+def test_jit_trace(kernelized: Callable[..., DemoModel], mode: str, kind: str, kernel_expected: bool) -> None:
+    model = kernelized(kind)
+    with scope(mode):
+        traced = torch.jit.trace(model, (X,), check_trace=False)
+    assert kernel_ran(traced(X)) is kernel_expected
+
+
+@pytest.mark.parametrize(("mode", "kind", "kernel_expected"), CASES)
+def test_fx_symbolic_trace(kernelized: Callable[..., DemoModel], mode: str, kind: str, kernel_expected: bool) -> None:
+    model = kernelized(kind)
+    with scope(mode):
+        traced = torch.fx.symbolic_trace(model)
+    assert kernel_ran(traced(X)) is kernel_expected
+
+
+def test_execution_state_inside_tracers() -> None:
+    seen: list[str] = []
+
+    class Probe(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            seen.append(kp.execution_state())
+            return x + 1
+
+    probe = Probe()
+    torch.export.export(probe, (X,))
+    torch.fx.symbolic_trace(probe)
+    torch.jit.trace(probe, (X,), check_trace=False)
+    probe(X)
+    assert seen == ["export", "fx", "jit", "eager"]
