@@ -65,7 +65,8 @@ class DemoModel(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
             x = x + block(x)
-        return self.norm(x)
+        out: torch.Tensor = self.norm(x)
+        return out
 
 
 @contextlib.contextmanager
