@@ -39,6 +39,9 @@ as in eager code.
 
 from __future__ import annotations
 
+import inspect
+import keyword
+import linecache
 import logging
 from typing import TYPE_CHECKING, Any, Final, Literal, final
 
@@ -205,51 +208,118 @@ def _class_name(module: nn.Module) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+# The three forwards, generated once per (variant, signature) with the original
+# forward's own parameters: forwarding ``*args, **kwargs`` costs more than the
+# rest of the dispatch together (measured: ~400 ns per call on CPython 3.11
+# here, against ~90 ns for a fixed-arity call). Free names are closure cells
+# filled by ``_factory``, as TorchDynamo traces closures (not exec'd globals).
+_BODIES: dict[str, str] = {
+    "without_kernel": """
+        policy = defaults.policy._current
+        if policy._modes.get(name, policy._default) == "require":
+            return slow("require", {pack})
+        return original(module, {call})""",
+    "always_usable": """
+        policy = defaults.policy._current
+        if policy._modes.get(name, policy._default) == "disable":
+            return original(module, {call})
+        return kernel(module, {call})""",
+    "general": """
+        policy = defaults.policy._current
+        mode = policy._modes.get(name, policy._default)
+        if mode == "disable":
+            return original(module, {call})
+        if {tracing} or not (has_backward or not module.training or not is_grad_enabled()):
+            return slow(mode, {pack})
+        return kernel(module, {call})""",
+}
+_CELLS = ", ".join(
+    [
+        "defaults",
+        "name",
+        "module",
+        "original",
+        "kernel",
+        "slow",
+        "has_backward",
+        "is_grad_enabled",
+        *_state.TRACING_NAMES,
+    ]
+)
+_FACTORIES: dict[tuple[str, str, str, str], Callable[..., Callable[..., Any]]] = {}
+
+
+def _parameters(function: Callable[..., Any]) -> tuple[str, str, str]:
+    """(parameter list, call arguments, ``args, kwargs`` packing) for ``function`` minus ``self``.
+
+    Falls back to ``*args, **kwargs`` for defaults, variadics, or names that
+    would clash with the closure's cells.
+    """
+    star = ("*args, **kwargs", "*args, **kwargs", "args, kwargs")
+    try:
+        params = list(inspect.signature(function, follow_wrapped=False).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return star
+    reserved = set(_CELLS.replace(" ", "").split(",")) | {"policy", "mode", "args", "kwargs"}
+    for param in params:
+        if (
+            param.default is not param.empty
+            or param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD)
+            or param.name in reserved
+            or not param.name.isidentifier()
+            or keyword.iskeyword(param.name)
+        ):
+            return star
+    decl: list[str] = []
+    positional = [p.name for p in params if p.kind is not p.KEYWORD_ONLY]
+    keywords = [p.name for p in params if p.kind is p.KEYWORD_ONLY]
+    only = [p.name for p in params if p.kind is p.POSITIONAL_ONLY]
+    decl += only + (["/"] if only else [])
+    decl += [p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD]
+    decl += (["*"] if keywords else []) + keywords
+    call = ", ".join(positional + [f"{k}={k}" for k in keywords])
+    pack = "({}), {{{}}}".format("".join(f"{n}, " for n in positional), ", ".join(f"{k!r}: {k}" for k in keywords))
+    return ", ".join(decl), call, pack
+
+
+def _factory(variant: str, function: Callable[..., Any]) -> Callable[..., Callable[..., Any]]:
+    params, call, pack = _parameters(function)
+    key = (variant, params, call, pack)
+    found = _FACTORIES.get(key)
+    if found is None:
+        body = _BODIES[variant].format(call=call, pack=pack, tracing=_state.TRACING_CHECK)
+        source = f"def make({_CELLS}):\n    def forward({params}):{body}\n    return forward\n"
+        filename = f"<kernelpolicy forward {variant} ({params})>"
+        namespace: dict[str, Any] = {}
+        exec(compile(source, filename, "exec"), namespace)  # fixed template, checked names
+        linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+        found = _FACTORIES.setdefault(key, namespace["make"])
+    return found
+
+
 def make_forward(binding: Binding) -> Callable[..., Any]:
     """Build the ``forward`` a policy-aware module calls.
 
     Three variants, chosen once per binding so that each call tests only what
-    can change between calls (the policy, the tracer, the autograd state).
+    can change between calls (the policy, the tracer, the autograd state),
+    each with the original forward's parameters.
     """
-    module = binding.module
-    name = binding.layer_name
-    original = binding.original
-    kernel = binding.kernel
-    slow = binding.slow
-    defaults = DEFAULTS
-    is_tracing = _state.is_tracing
-
-    if kernel is None:
-
-        def forward_without_kernel(*args: Any, **kwargs: Any) -> Any:
-            policy = defaults.policy._current
-            mode = policy._modes.get(name, policy._default)
-            if mode == "require":
-                return slow(mode, args, kwargs)
-            return original(module, *args, **kwargs)
-
-        return forward_without_kernel
-
-    if binding.can_torch_compile and binding.has_backward:
-
-        def forward_always_usable(*args: Any, **kwargs: Any) -> Any:
-            policy = defaults.policy._current
-            if policy._modes.get(name, policy._default) == "disable":
-                return original(module, *args, **kwargs)
-            return kernel(module, *args, **kwargs)
-
-        return forward_always_usable
-
-    has_backward = binding.has_backward
-    is_grad_enabled = torch.is_grad_enabled
-
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        policy = defaults.policy._current
-        mode = policy._modes.get(name, policy._default)
-        if mode == "disable":
-            return original(module, *args, **kwargs)
-        if is_tracing() or not (has_backward or not module.training or not is_grad_enabled()):
-            return slow(mode, args, kwargs)
-        return kernel(module, *args, **kwargs)
-
+    if binding.kernel is None:
+        variant = "without_kernel"
+    elif binding.can_torch_compile and binding.has_backward:
+        variant = "always_usable"
+    else:
+        variant = "general"
+    forward = _factory(variant, binding.original)(
+        DEFAULTS,
+        binding.layer_name,
+        binding.module,
+        binding.original,
+        binding.kernel,
+        binding.slow,
+        binding.has_backward,
+        torch.is_grad_enabled,
+        *_state.TRACING_NAMES.values(),
+    )
+    forward.__qualname__ = f"kernelpolicy.{variant}.forward"
     return forward

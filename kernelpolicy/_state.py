@@ -23,26 +23,30 @@ False at run time, so reading it in traced code would recompile every call.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.compiler as _compiler
 import torch.fx._symbolic_trace as _fx
 from torch.compiler import is_dynamo_compiling as _is_dynamo
 
-__all__ = ["ExecutionState", "execution_state", "is_tracing"]
+__all__ = ["TRACING_CHECK", "TRACING_NAMES", "ExecutionState", "execution_state", "is_tracing"]
 
 ExecutionState = Literal["eager", "compile", "export", "jit", "fx"]
 _get_tracing_state = torch._C._get_tracing_state
 
+#: The hot path's check, true under any tracer except ``torch.jit.trace``, as
+#: source over :data:`TRACING_NAMES`: ``_dispatch`` inlines it into the
+#: generated forwards (a function call costs as much as the check). Policy-aware
+#: layers learn about jit tracing from ``_slow_forward`` instead, which costs
+#: nothing in eager mode.
+TRACING_CHECK = "is_dynamo() or compiler._is_compiling_flag or fx._is_fx_tracing_flag"
+TRACING_NAMES: dict[str, Any] = {"is_dynamo": _is_dynamo, "compiler": _compiler, "fx": _fx}
+
 
 def is_tracing() -> bool:
-    """True under any tracer except ``torch.jit.trace`` (the hot path's check).
-
-    Policy-aware layers learn about jit tracing from ``_slow_forward``
-    instead, which costs nothing in eager mode.
-    """
-    return _is_dynamo() or _compiler._is_compiling_flag or _fx._is_fx_tracing_flag
+    """:data:`TRACING_CHECK` as a function."""
+    return bool(eval(TRACING_CHECK, {"__builtins__": {}}, TRACING_NAMES))
 
 
 def execution_state() -> ExecutionState:

@@ -265,3 +265,57 @@ def test_hooks_still_run(kernelized: Callable[..., DemoModel]) -> None:
     with kp.kernels_disabled():
         model(X)
     assert seen == ["hook", "hook"]
+
+
+class _Signatures(nn.Module):
+    kernel_layer_name = "Signatures"
+
+    def forward(self, a: torch.Tensor, /, b: torch.Tensor, *, c: torch.Tensor) -> torch.Tensor:
+        return a + 2 * b + 3 * c
+
+
+class _SignaturesKernel(nn.Module):
+    can_torch_compile = True
+
+    def forward(self, a: torch.Tensor, /, b: torch.Tensor, *, c: torch.Tensor) -> torch.Tensor:
+        return 100 + a + 2 * b + 3 * c
+
+
+class _Defaults(nn.Module):
+    kernel_layer_name = "Defaults"
+
+    def forward(self, x: torch.Tensor, scale: float = 2.0, **extra: Any) -> torch.Tensor:
+        return x * scale + len(extra)
+
+
+class _DefaultsKernel(nn.Module):
+    def forward(self, x: torch.Tensor, scale: float = 5.0, **extra: Any) -> torch.Tensor:
+        return 100 + x * scale + len(extra)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_generated_forward_keeps_parameter_kinds(compiled: bool) -> None:
+    layer = _Signatures()
+    layer.forward = _SignaturesKernel.forward.__get__(layer)  # type: ignore[method-assign]  # as kernels binds
+    kp.attach(layer)
+    call = torch.compile(layer, backend="eager", fullgraph=True) if compiled else layer
+    one = torch.ones(1)
+    assert call(one, one, c=one).item() == 106
+    assert call(one, b=one, c=one).item() == 106
+    with kp.kernels_disabled():
+        assert call(one, b=one, c=one).item() == 6
+    with pytest.raises(TypeError):
+        layer(one, one, one)  # c is keyword-only, as in the original
+
+
+def test_defaults_and_variadics_fall_back_to_star_forwarding() -> None:
+    layer = _Defaults()
+    layer.forward = _DefaultsKernel.forward.__get__(layer)  # type: ignore[method-assign]
+    kp.attach(layer)
+    one = torch.ones(1)
+    # each side keeps its own defaults, exactly as with kernels' direct binding
+    assert layer(one).item() == 105
+    assert layer(one, 1.0, k=1).item() == 102
+    with kp.kernels_disabled():
+        assert layer(one).item() == 2
+        assert layer(one, scale=1.0, k=1, j=2).item() == 3
