@@ -179,7 +179,8 @@ class Policy:
                     raise PolicyError(f"layer {name!r} named twice")
                 layers[name] = check_mode(mode, f"layer {name!r}")
             except PolicyError as exc:
-                raise PolicyError(f"{where}: {exc}") from None
+                detail = str(exc) if _VALID in str(exc) else f"{exc}; valid modes are {_VALID}"
+                raise PolicyError(f"{where}: {detail}") from None
         return _make(default if default is not None else "prefer", layers)
 
     def __str__(self) -> str:

@@ -23,8 +23,10 @@ Guarantees:
   restoring the wrong policy.
 - As a decorator: on a sync function or ``async def`` coroutine the policy
   holds while the body runs; on a generator or async generator function the
-  body runs in its own copy of the caller's context (taken at call time), so
-  the policy holds across its yields and the consumer never sees it.
+  body runs in its own copy of the context in which it is first iterated (a
+  generator's body starts at its first ``next()``, and the decorated function
+  stays a generator function), so the policy holds across its yields and the
+  consumer never sees it.
 """
 
 from __future__ import annotations
@@ -131,8 +133,10 @@ class kernel_policy:  # noqa: N801 - lowercase like numpy.errstate and decimal.l
             )
         try:
             _SCOPED.reset(frame[1])
-        except ValueError as error:  # token from another Context
-            raise ScopeError(f"{self!r} exited in another context than it was entered in") from error
+        except (ValueError, RuntimeError) as error:  # token from another Context, or already used
+            raise ScopeError(
+                f"{self!r} exited in another context than it was entered in, or exited there already"
+            ) from error
         _FRAMES.set(frame[2])
 
     def __call__(self, fn: F) -> F:
