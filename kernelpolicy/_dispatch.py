@@ -43,14 +43,17 @@ import inspect
 import keyword
 import linecache
 import logging
+import types
 from typing import TYPE_CHECKING, Any, Final, Literal, final
 
 import torch
+import torch.compiler as _compiler  # noqa: F401 - read by the generated forwards (TRACING_CHECK)
+import torch.fx._symbolic_trace as _fx  # noqa: F401 - read by the generated forwards (TRACING_CHECK)
 from torch.compiler import is_dynamo_compiling as _is_dynamo
 
 from . import _state
 from ._errors import KernelUnavailableError, unavailable_message
-from ._policy import DEFAULTS
+from ._policy import DEFAULTS, register_layer_name  # noqa: F401 - DEFAULTS: read by the generated forwards
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -144,6 +147,7 @@ class Binding:
         self.module = module
         self.path = path
         self.layer_name = layer_name
+        register_layer_name(layer_name)
         self.module_class = _class_name(module)
         self.original = original
         self.kernel = kernel
@@ -211,42 +215,33 @@ def _class_name(module: nn.Module) -> str:
 # The three forwards, generated once per (variant, signature) with the original
 # forward's own parameters: forwarding ``*args, **kwargs`` costs more than the
 # rest of the dispatch together (measured: ~400 ns per call on CPython 3.11
-# here, against ~90 ns for a fixed-arity call). Free names are closure cells
-# filled by ``_factory``, as TorchDynamo traces closures (not exec'd globals).
+# here, against ~90 ns for a fixed-arity call). They are compiled with this
+# module's globals, so what all layers share (DEFAULTS, torch, the tracer
+# flags) has one source for TorchDynamo: no aliasing guards between layers,
+# which cost guard time and are not thread-safe in torch 2.13. What differs per
+# layer is a closure cell filled by ``_factory``.
 _BODIES: dict[str, str] = {
     "without_kernel": """
-        policy = defaults.policy._current
-        if policy._modes.get(name, policy._default) == "require":
+        policy = DEFAULTS.policy._current
+        if {lookup} == "require":
             return slow("require", {pack})
-        return original(module, {call})""",
+        return original(self, {call})""",
     "always_usable": """
-        policy = defaults.policy._current
-        if policy._modes.get(name, policy._default) == "disable":
-            return original(module, {call})
-        return kernel(module, {call})""",
+        policy = DEFAULTS.policy._current
+        if {lookup} == "disable":
+            return original(self, {call})
+        return kernel(self, {call})""",
     "general": """
-        policy = defaults.policy._current
-        mode = policy._modes.get(name, policy._default)
+        policy = DEFAULTS.policy._current
+        mode = {lookup}
         if mode == "disable":
-            return original(module, {call})
-        if {tracing} or not (has_backward or not module.training or not is_grad_enabled()):
+            return original(self, {call})
+        if {tracing} or not (has_backward or not self.training or not torch.is_grad_enabled()):
             return slow(mode, {pack})
-        return kernel(module, {call})""",
+        return kernel(self, {call})""",
 }
-_CELLS = ", ".join(
-    [
-        "defaults",
-        "name",
-        "module",
-        "original",
-        "kernel",
-        "slow",
-        "has_backward",
-        "is_grad_enabled",
-        *_state.TRACING_NAMES,
-    ]
-)
-_FACTORIES: dict[tuple[str, str, str, str], Callable[..., Callable[..., Any]]] = {}
+_CELLS = "original, kernel, slow, has_backward"
+_FACTORIES: dict[tuple[str, str, str, str, str], Callable[..., Callable[..., Any]]] = {}
 
 
 def _parameters(function: Callable[..., Any]) -> tuple[str, str, str]:
@@ -260,7 +255,7 @@ def _parameters(function: Callable[..., Any]) -> tuple[str, str, str]:
         params = list(inspect.signature(function, follow_wrapped=False).parameters.values())[1:]
     except (TypeError, ValueError):
         return star
-    reserved = set(_CELLS.replace(" ", "").split(",")) | {"policy", "mode", "args", "kwargs"}
+    reserved = {*_CELLS.replace(" ", "").split(","), *globals(), "self", "policy", "mode", "args", "kwargs"}
     for param in params:
         if (
             param.default is not param.empty
@@ -282,16 +277,19 @@ def _parameters(function: Callable[..., Any]) -> tuple[str, str, str]:
     return ", ".join(decl), call, pack
 
 
-def _factory(variant: str, function: Callable[..., Any]) -> Callable[..., Callable[..., Any]]:
+def _factory(variant: str, function: Callable[..., Any], layer_name: str) -> Callable[..., Callable[..., Any]]:
     params, call, pack = _parameters(function)
-    key = (variant, params, call, pack)
+    key = (variant, params, call, pack, layer_name)
     found = _FACTORIES.get(key)
     if found is None:
-        body = _BODIES[variant].format(call=call, pack=pack, tracing=_state.TRACING_CHECK)
-        source = f"def make({_CELLS}):\n    def forward({params}):{body}\n    return forward\n"
+        # The layer's resolved mode (see _policy._ModeTable), by attribute when the name allows.
+        plain = layer_name.isidentifier() and not keyword.iskeyword(layer_name) and not layer_name.startswith("__")
+        lookup = f"policy._table.{layer_name}" if plain else f"getattr(policy._table, {layer_name!r})"
+        body = _BODIES[variant].format(call=call, pack=pack, tracing=_state.TRACING_CHECK, lookup=lookup)
+        source = f"def make({_CELLS}):\n    def forward(self, {params}):{body}\n    return forward\n"
         filename = f"<kernelpolicy forward {variant} ({params})>"
         namespace: dict[str, Any] = {}
-        exec(compile(source, filename, "exec"), namespace)  # fixed template, checked names
+        exec(compile(source, filename, "exec"), globals(), namespace)  # fixed template, checked names
         linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
         found = _FACTORIES.setdefault(key, namespace["make"])
     return found
@@ -310,16 +308,13 @@ def make_forward(binding: Binding) -> Callable[..., Any]:
         variant = "always_usable"
     else:
         variant = "general"
-    forward = _factory(variant, binding.original)(
-        DEFAULTS,
-        binding.layer_name,
-        binding.module,
+    forward = _factory(variant, binding.original, binding.layer_name)(
         binding.original,
         binding.kernel,
         binding.slow,
         binding.has_backward,
-        torch.is_grad_enabled,
-        *_state.TRACING_NAMES.values(),
     )
     forward.__qualname__ = f"kernelpolicy.{variant}.forward"
-    return forward
+    # Bound ahead of time, like the MethodType kernels binds: the module is
+    # ``self``, not a closure cell (a cell aliasing the module costs a guard).
+    return types.MethodType(forward, binding.module)

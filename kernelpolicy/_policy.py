@@ -73,6 +73,8 @@ def check_layer_name(name: object) -> str:
         raise PolicyError(f"a kernel layer name must be a string, got {name!r} ({type(name).__name__})")
     if not name:
         raise PolicyError("a kernel layer name must not be empty")
+    if name.startswith("__"):
+        raise PolicyError(f"kernel layer name {name!r} starts with '__', which is reserved")
     bad = sorted(set(name) & _FORBIDDEN_IN_NAMES)
     if bad:
         raise PolicyError(
@@ -102,10 +104,11 @@ class Policy:
     'prefer,RMSNorm=disable'
     """
 
-    __slots__ = ("__weakref__", "_default", "_key", "_modes")
+    __slots__ = ("__weakref__", "_default", "_key", "_modes", "_table")
 
     _default: Mode
     _modes: dict[str, Mode]
+    _table: _ModeTable
     _key: _Key
 
     def __new__(cls, default: Mode = "prefer", /, **layers: Mode) -> Policy:
@@ -206,8 +209,37 @@ class Policy:
         return self
 
 
+@final
+class _ModeTable:
+    """The resolved mode of every known kernel layer name, as attributes.
+
+    The hot path reads ``policy._table.RMSNorm``. TorchDynamo guards such a
+    read on that one attribute's value, where a ``dict.get`` would be guarded
+    on the whole dict and a fallback to the default on how the mode was
+    derived. So a compiled model recompiles only when the mode of one of
+    *its* layers changes: policies that differ in other layers, or that reach
+    the same mode through the default or an explicit entry, share its graphs.
+
+    "Known" names are those of policy-aware layers (:func:`register_layer_name`,
+    called when a layer is bound); registering a name adds its resolved mode
+    to every live policy's table. Entries never change once written.
+    """
+
+
 _INTERNED: weakref.WeakValueDictionary[_Key, Policy] = weakref.WeakValueDictionary()
 _INTERN_LOCK = threading.Lock()
+_KNOWN_LAYERS: set[str] = set()
+
+
+def register_layer_name(name: str) -> None:
+    """Make ``name`` resolvable as ``policy._table.<name>`` in every policy, now and later."""
+    if name in _KNOWN_LAYERS:
+        return
+    with _INTERN_LOCK:
+        if name not in _KNOWN_LAYERS:
+            for policy in list(_INTERNED.values()):
+                policy._table.__dict__.setdefault(name, policy._modes.get(name, policy._default))
+            _KNOWN_LAYERS.add(name)
 
 
 def _make(default: Mode, layers: Mapping[str, object]) -> Policy:
@@ -227,8 +259,12 @@ def _from_key(key: _Key) -> Policy:
         found = _INTERNED.get(key)
         if found is None:
             found = object.__new__(Policy)
+            modes = dict(key[1])
+            table = _ModeTable()
+            table.__dict__.update({name: modes.get(name, key[0]) for name in _KNOWN_LAYERS})
             object.__setattr__(found, "_default", key[0])
-            object.__setattr__(found, "_modes", dict(key[1]))
+            object.__setattr__(found, "_modes", modes)
+            object.__setattr__(found, "_table", table)
             object.__setattr__(found, "_key", key)
             _INTERNED[key] = found
         return found

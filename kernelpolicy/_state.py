@@ -40,8 +40,8 @@ _get_tracing_state = torch._C._get_tracing_state
 #: generated forwards (a function call costs as much as the check). Policy-aware
 #: layers learn about jit tracing from ``_slow_forward`` instead, which costs
 #: nothing in eager mode.
-TRACING_CHECK = "is_dynamo() or compiler._is_compiling_flag or fx._is_fx_tracing_flag"
-TRACING_NAMES: dict[str, Any] = {"is_dynamo": _is_dynamo, "compiler": _compiler, "fx": _fx}
+TRACING_CHECK = "_is_dynamo() or _compiler._is_compiling_flag or _fx._is_fx_tracing_flag"
+TRACING_NAMES: dict[str, Any] = {"_is_dynamo": _is_dynamo, "_compiler": _compiler, "_fx": _fx}
 
 
 def is_tracing() -> bool:

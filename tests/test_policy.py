@@ -149,7 +149,7 @@ def test_copy_and_deepcopy_return_the_same_object() -> None:
 # --- immutability ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("attribute", ["default", "layers", "_default", "_modes", "_key", "new_attribute"])
+@pytest.mark.parametrize("attribute", ["default", "layers", "_default", "_table", "_key", "new_attribute"])
 def test_setting_attributes_raises(attribute: str) -> None:
     policy = kp.Policy("prefer", RMSNorm="disable")
     with pytest.raises(AttributeError):
@@ -158,7 +158,7 @@ def test_setting_attributes_raises(attribute: str) -> None:
     assert dict(policy.layers) == {"RMSNorm": "disable"}
 
 
-@pytest.mark.parametrize("attribute", ["default", "_default", "_modes"])
+@pytest.mark.parametrize("attribute", ["default", "_default", "_table"])
 def test_deleting_attributes_raises(attribute: str) -> None:
     policy = kp.Policy("disable")
     with pytest.raises(AttributeError):
