@@ -19,8 +19,9 @@ Importing kernelpolicy does not import ``kernels`` or ``huggingface_hub``.
 
 from __future__ import annotations
 
+from ._accounting import CallCounts, record_calls
 from ._binding import attach, kernelize, replace_kernel_forward_from_hub, use_kernel_forward_from_hub
-from ._errors import KernelUnavailableError, PolicyError, ScopeError
+from ._errors import KernelMismatchError, KernelUnavailableError, PolicyError, ScopeError
 from ._explain import Explanation, LayerRow, explain
 from ._policy import ENV_VAR, MODES, Mode, Policy, current_policy
 from ._scope import kernel_policy, kernels_disabled, propagate, set_default_policy
@@ -31,8 +32,10 @@ __version__ = "0.1.0"
 __all__ = [
     "ENV_VAR",
     "MODES",
+    "CallCounts",
     "ExecutionState",
     "Explanation",
+    "KernelMismatchError",
     "KernelUnavailableError",
     "LayerRow",
     "Mode",
@@ -47,6 +50,7 @@ __all__ = [
     "kernelize",
     "kernels_disabled",
     "propagate",
+    "record_calls",
     "replace_kernel_forward_from_hub",
     "set_default_policy",
     "use_kernel_forward_from_hub",

@@ -7,8 +7,10 @@ closure a policy-aware module calls as its ``forward``.
 The closure reads the policy once (``DEFAULTS.policy._current``, see
 ``_policy``), looks up the layer's mode, and takes a fast exit in the common
 cases: ``disable``; a usable kernel under ``prefer`` or ``require``; no
-kernel under ``prefer``. Everything else goes to :meth:`Binding.slow`, which
-applies :func:`decide` and raises or logs. Nothing on the hot path allocates,
+kernel under ``prefer``. Everything else (``verify``, recorded calls, a
+tracer, a kernel without backward while training) goes to
+:meth:`Binding.slow`, which applies :func:`decide` and verifies, records,
+raises or logs. Nothing on the hot path allocates,
 logs, locks or calls ``ContextVar.get`` directly, so TorchDynamo traces it
 without a graph break and guards on the policy read.
 
@@ -25,6 +27,9 @@ prefer  yes           yes      kernel
 require no            --       KernelUnavailableError
 require yes           no       KernelUnavailableError (see below)
 require yes           yes      kernel
+verify  --            --       as prefer; when the kernel runs in eager
+                               code, the original runs too and the
+                               outputs are compared (see ``_verify``)
 ======= ============= ======== ===================================
 
 A traced program cannot raise, so under ``torch.compile`` a ``require``
@@ -52,8 +57,9 @@ import torch.fx._symbolic_trace as _fx  # noqa: F401 - read by the generated for
 from torch.compiler import is_dynamo_compiling as _is_dynamo
 
 from . import _state
-from ._errors import KernelUnavailableError, unavailable_message
-from ._policy import DEFAULTS, register_layer_name  # noqa: F401 - DEFAULTS: read by the generated forwards
+from ._errors import KernelMismatchError, KernelUnavailableError, unavailable_message
+from ._policy import DEFAULTS, PLAIN, RECORDERS, register_layer_name
+from ._verify import clone_tensors, compare
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -72,6 +78,7 @@ Path = Literal["kernel", "original", "error"]
 NO_KERNEL: Final = "no kernel bound"
 DISABLED: Final = "disabled by policy"
 USABLE: Final = "kernel usable"
+VERIFIED: Final = "kernel usable; verified against the original forward"
 
 
 def untraceable(state: ExecutionState) -> str:
@@ -105,7 +112,7 @@ def decide(
     elif needs_backward and not has_backward:
         reason = NO_BACKWARD
     else:
-        return "kernel", USABLE
+        return "kernel", VERIFIED if mode == "verify" and state == "eager" else USABLE
     return ("error" if mode == "require" else "original"), reason
 
 
@@ -173,10 +180,18 @@ class Binding:
         self, mode: Mode, args: tuple[Any, ...], kwargs: dict[str, Any], state: ExecutionState | None = None
     ) -> Any:
         """Every call the fast exits of the forward closure do not take."""
+        recording = mode in PLAIN
+        if recording:
+            mode = PLAIN[mode]
         if state is None:
             state = _state.execution_state()
         path, reason = self.decide(mode, state)
+        if recording and not _is_dynamo():
+            for recorder in RECORDERS.get():
+                recorder.add(self.path, self.layer_name, path, reason)
         if path == "kernel":
+            if reason == VERIFIED:
+                return self.verify(args, kwargs)
             return self.kernel(self.module, *args, **kwargs)  # type: ignore[misc]
         if path == "original":
             if self.kernel is not None and reason != DISABLED and not _is_dynamo():
@@ -188,6 +203,34 @@ class Binding:
             # and fullgraph=False raises the error below, eagerly.
             torch._dynamo.graph_break(msg=unavailable_message(self.path, self.layer_name, self.module_class, reason))
         raise self.error(reason)
+
+    def verify(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Run the original (on cloned inputs) and the kernel; compare; return the kernel's output."""
+        policy = DEFAULTS.policy._current
+        kernel = self.kernel
+        assert kernel is not None
+        devices = sorted({t.device.index or 0 for t in _tensors((args, kwargs)) if t.is_cuda})
+        with torch.no_grad(), torch.random.fork_rng(devices=devices):
+            expected = self.original(self.module, *clone_tensors(args), **clone_tensors(kwargs))
+        out = kernel(self.module, *args, **kwargs)
+        mismatch = compare(out, expected, rtol=policy.rtol, atol=policy.atol)
+        if mismatch is not None:
+            error = KernelMismatchError(
+                path=self.path,
+                layer_name=self.layer_name,
+                module_class=self.module_class,
+                where=mismatch.where,
+                detail=mismatch.detail,
+                max_abs=mismatch.max_abs,
+                max_rel=mismatch.max_rel,
+                index=mismatch.index,
+            )
+            if policy.on_mismatch == "raise":
+                raise error
+            if (self.layer_name, "mismatch") not in _logged:
+                _logged.add((self.layer_name, "mismatch"))
+                logger.warning("%s (logged once per layer)", error)
+        return out
 
     def error(self, reason: str) -> KernelUnavailableError:
         return KernelUnavailableError(
@@ -207,6 +250,16 @@ class Binding:
             )
 
 
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for item in value for t in _tensors(item)]
+    if isinstance(value, dict):
+        return [t for item in value.values() for t in _tensors(item)]
+    return []
+
+
 def _class_name(module: nn.Module) -> str:
     cls = getattr(type(module), "_kernelpolicy_original", type(module))
     return f"{cls.__module__}.{cls.__qualname__}"
@@ -223,22 +276,28 @@ def _class_name(module: nn.Module) -> str:
 _BODIES: dict[str, str] = {
     "without_kernel": """
         policy = DEFAULTS.policy._current
-        if {lookup} == "require":
-            return slow("require", {pack})
-        return original(self, {call})""",
+        mode = {lookup}
+        if mode == "prefer" or mode == "disable":
+            return original(self, {call})
+        return slow(mode, {pack})""",
     "always_usable": """
         policy = DEFAULTS.policy._current
-        if {lookup} == "disable":
+        mode = {lookup}
+        if mode == "prefer" or mode == "require":
+            return kernel(self, {call})
+        if mode == "disable":
             return original(self, {call})
-        return kernel(self, {call})""",
+        return slow(mode, {pack})""",
     "general": """
         policy = DEFAULTS.policy._current
         mode = {lookup}
         if mode == "disable":
             return original(self, {call})
-        if {tracing} or not (has_backward or not self.training or not torch.is_grad_enabled()):
-            return slow(mode, {pack})
-        return kernel(self, {call})""",
+        if (mode == "prefer" or mode == "require") and not ({tracing}) and (
+            has_backward or not self.training or not torch.is_grad_enabled()
+        ):
+            return kernel(self, {call})
+        return slow(mode, {pack})""",
 }
 _CELLS = "original, kernel, slow, has_backward"
 _FACTORIES: dict[tuple[str, str, str, str, str], Callable[..., Callable[..., Any]]] = {}

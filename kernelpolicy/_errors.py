@@ -7,11 +7,13 @@
   another thread or context than it was entered in).
 - :class:`KernelUnavailableError` -- ``require`` asked for a kernel that cannot
   run for this call.
+- :class:`KernelMismatchError` -- ``verify`` found the kernel's output differs
+  from the original forward's.
 """
 
 from __future__ import annotations
 
-__all__ = ["KernelUnavailableError", "PolicyError", "ScopeError"]
+__all__ = ["KernelMismatchError", "KernelUnavailableError", "PolicyError", "ScopeError"]
 
 
 class PolicyError(ValueError):
@@ -48,3 +50,41 @@ def unavailable_message(path: str | None, layer_name: str, module_class: str, re
 
 def _rebuild_unavailable(path: str | None, layer_name: str, module_class: str, reason: str) -> KernelUnavailableError:
     return KernelUnavailableError(path=path, layer_name=layer_name, module_class=module_class, reason=reason)
+
+
+class KernelMismatchError(AssertionError):
+    """``verify`` found that a kernel's output differs from the original forward's.
+
+    Attributes: ``path``, ``layer_name``, ``module_class``, ``where`` (which
+    output, e.g. ``output[0]``), ``max_abs`` and ``max_rel`` (largest absolute
+    and relative errors), ``index`` (the first mismatching element) and
+    ``detail``.
+    """
+
+    def __init__(
+        self,
+        *,
+        path: str | None,
+        layer_name: str,
+        module_class: str,
+        where: str,
+        detail: str,
+        max_abs: float,
+        max_rel: float,
+        index: tuple[int, ...] | None,
+    ) -> None:
+        self.path = path
+        self.layer_name = layer_name
+        self.module_class = module_class
+        self.where = where
+        self.detail = detail
+        self.max_abs = max_abs
+        self.max_rel = max_rel
+        self.index = index
+        module = f"module {path!r}" if path else "a module"
+        numbers = f"; max abs error {max_abs:.3g}, max rel error {max_rel:.3g}" if max_abs == max_abs else ""
+        at = f", first mismatch at index {index}" if index is not None else ""
+        super().__init__(
+            f"kernel output differs from the original forward for {module} ({module_class}, kernel layer "
+            f"{layer_name!r}) in {where}: {detail}{numbers}{at}"
+        )

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 
     from torch import nn
 
+    from ._accounting import CallCounts
     from ._dispatch import Path
 
 __all__ = ["Explanation", "LayerRow", "explain"]
@@ -40,6 +41,7 @@ class LayerRow:
     path: Path
     reason: str
     policy_aware: bool
+    calls: dict[str, int] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +59,19 @@ class Explanation:
         return len(self.rows)
 
     def __str__(self) -> str:
-        header = ("module", "layer", "class", "kernel", "compile", "backward", "mode", "path", "reason")
+        with_calls = any(row.calls is not None for row in self.rows)
+        header: tuple[str, ...] = (
+            "module",
+            "layer",
+            "class",
+            "kernel",
+            "compile",
+            "backward",
+            "mode",
+            "path",
+            "reason",
+        )
+        header += ("recorded calls",) if with_calls else ()
         body = [
             (
                 row.name or "(root)",
@@ -70,6 +84,11 @@ class Explanation:
                 row.path,
                 row.reason,
             )
+            + (
+                (", ".join(f"{path} {n}" for path, n in sorted((row.calls or {}).items())) or "-",)
+                if with_calls
+                else ()
+            )
             for row in self.rows
         ]
         widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
@@ -79,8 +98,11 @@ class Explanation:
         return "\n".join(lines)
 
 
-def explain(model: nn.Module) -> Explanation:
+def explain(model: nn.Module, *, calls: CallCounts | None = None) -> Explanation:
     """Describe every kernel-capable module of ``model`` under the policy in effect here.
+
+    With ``calls`` (from :func:`~kernelpolicy.record_calls`), each row also
+    shows the calls recorded for that module by path.
 
     >>> import torch, kernelpolicy
     >>> @kernelpolicy.use_kernel_forward_from_hub("Double")
@@ -93,6 +115,7 @@ def explain(model: nn.Module) -> Explanation:
     """
     policy = current_policy()
     state = execution_state()
+    recorded = calls.by_module() if calls is not None else None
     rows = []
     for name, module in kernel_modules(model):
         layer_name = str(type(module).kernel_layer_name)  # type: ignore[attr-defined]
@@ -114,6 +137,7 @@ def explain(model: nn.Module) -> Explanation:
                     path=path,
                     reason=reason,
                     policy_aware=True,
+                    calls=None if recorded is None else recorded.get(name, {}),
                 )
             )
         else:

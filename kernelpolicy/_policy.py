@@ -29,7 +29,7 @@ import threading
 import weakref
 from contextvars import ContextVar
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Literal, cast, final
+from typing import TYPE_CHECKING, Any, Literal, cast, final
 
 from ._errors import PolicyError
 
@@ -38,19 +38,31 @@ if TYPE_CHECKING:
 
 __all__ = ["ENV_VAR", "MODES", "Mode", "Policy", "current_policy"]
 
-Mode = Literal["prefer", "disable", "require"]
+Mode = Literal["prefer", "disable", "require", "verify"]
 #: The valid modes, in the order error messages list them.
-MODES: tuple[Mode, ...] = ("prefer", "disable", "require")
+MODES: tuple[Mode, ...] = ("prefer", "disable", "require", "verify")
+OnMismatch = Literal["raise", "warn"]
+#: Keyword arguments of a policy that are options of ``verify``, not layer names.
+VERIFY_OPTIONS = ("atol", "rtol", "on_mismatch")
+#: What a policy's table holds for a mode while calls are recorded: a value the
+#: forward's fast exits do not know, so every call takes the slow path that records.
+RECORDING: dict[str, str] = {mode: f"{mode}+record" for mode in MODES}
+PLAIN: dict[str, Mode] = {f"{mode}+record": mode for mode in MODES}
 #: The environment variable read once, at the first use of the library.
 ENV_VAR = "KERNELPOLICY"
 
 _VALID = ", ".join(repr(m) for m in MODES)
 _FORBIDDEN_IN_NAMES = frozenset(",= \t\r\n")
 
-_Key = tuple[str, tuple[tuple[str, str], ...]]
+# (default, sorted layer modes, verify options, recording)
+_Verify = tuple[float | None, float | None, str]
+_Key = tuple[Mode, tuple[tuple[str, Mode], ...], _Verify, bool]
+NO_OPTIONS: _Verify = (None, None, "raise")
 
 # Scoped policies. Unset means "no scope active in this context".
 _SCOPED: ContextVar[Policy] = ContextVar("kernelpolicy.scoped")
+# The record_calls() recorders active in this context (read in the slow path only).
+RECORDERS: ContextVar[tuple[Any, ...]] = ContextVar("kernelpolicy.recorders", default=())
 
 
 def check_mode(value: object, what: str) -> Mode:
@@ -73,6 +85,8 @@ def check_layer_name(name: object) -> str:
         raise PolicyError(f"a kernel layer name must be a string, got {name!r} ({type(name).__name__})")
     if not name:
         raise PolicyError("a kernel layer name must not be empty")
+    if name in VERIFY_OPTIONS:
+        raise PolicyError(f"{name!r} is an option of 'verify', not a kernel layer name")
     if name.startswith("__"):
         raise PolicyError(f"kernel layer name {name!r} starts with '__', which is reserved")
     bad = sorted(set(name) & _FORBIDDEN_IN_NAMES)
@@ -84,9 +98,42 @@ def check_layer_name(name: object) -> str:
     return name
 
 
+def check_verify_options(options: Mapping[str, object]) -> dict[str, object]:
+    """Validate ``atol``/``rtol``/``on_mismatch`` given to a policy or scope."""
+    checked: dict[str, object] = {}
+    for name in ("atol", "rtol"):
+        if name in options:
+            value = options[name]
+            if isinstance(value, str):
+                try:
+                    value = float(value)
+                except ValueError:
+                    raise PolicyError(f"{name} must be a number >= 0, got {options[name]!r}") from None
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise PolicyError(f"{name} must be a number >= 0, got {options[name]!r}")
+            checked[name] = float(value)
+    if "on_mismatch" in options:
+        value = options["on_mismatch"]
+        if value not in ("raise", "warn"):
+            raise PolicyError(f"on_mismatch must be 'raise' or 'warn', got {value!r}")
+        checked["on_mismatch"] = value
+    return checked
+
+
+def split_options(layers: Mapping[str, object]) -> tuple[dict[str, object], dict[str, object]]:
+    """(layer modes, verify options) from the keyword arguments of a policy or scope."""
+    modes = {name: value for name, value in layers.items() if name not in VERIFY_OPTIONS}
+    options = {name: value for name, value in layers.items() if name in VERIFY_OPTIONS}
+    return modes, check_verify_options(options)
+
+
 @final
 class Policy:
     """An immutable policy: a default mode plus per-layer modes.
+
+    Modes: ``prefer``, ``disable``, ``require`` and ``verify`` (run the kernel
+    and the original, compare, return the kernel's output; ``atol``,
+    ``rtol`` and ``on_mismatch="raise"|"warn"`` tune it).
 
     Policies are interned: equal policies are the same object, so comparing
     them is an identity check and a scope equal to the enclosing one never
@@ -102,17 +149,23 @@ class Policy:
     True
     >>> str(p)
     'prefer,RMSNorm=disable'
+    >>> Policy("verify", atol=1e-3)
+    Policy('verify', atol=0.001)
     """
 
-    __slots__ = ("__weakref__", "_default", "_key", "_modes", "_table")
+    __slots__ = ("__weakref__", "_default", "_key", "_logical", "_modes", "_recording", "_table", "_verify")
 
     _default: Mode
     _modes: dict[str, Mode]
     _table: _ModeTable
+    _verify: _Verify
+    _recording: bool
+    _logical: Policy
     _key: _Key
 
-    def __new__(cls, default: Mode = "prefer", /, **layers: Mode) -> Policy:
-        return _make(check_mode(default, "the default"), layers)
+    def __new__(cls, default: Mode = "prefer", /, **layers: Any) -> Policy:
+        modes, options = split_options(layers)
+        return _make(check_mode(default, "the default"), modes, _options(NO_OPTIONS, options))
 
     # The scoped policy, or this object when no scope is active. Read it as
     # ``DEFAULTS.policy._current`` (see the module docstring).
@@ -128,41 +181,68 @@ class Policy:
         """The per-layer modes that differ from :attr:`default` (read-only)."""
         return MappingProxyType(self._modes)
 
+    @property
+    def atol(self) -> float | None:
+        """``verify``'s absolute tolerance (None: by dtype)."""
+        return self._verify[0]
+
+    @property
+    def rtol(self) -> float | None:
+        """``verify``'s relative tolerance (None: by dtype)."""
+        return self._verify[1]
+
+    @property
+    def on_mismatch(self) -> OnMismatch:
+        """What ``verify`` does on a mismatch: ``"raise"`` or ``"warn"``."""
+        return cast("OnMismatch", self._verify[2])
+
     def mode_for(self, layer_name: str) -> Mode:
         """The mode for layers marked with kernel layer name ``layer_name``."""
         return self._modes.get(layer_name, self._default)
 
-    def overlay(self, default: Mode | None, layers: Mapping[str, Mode]) -> Policy:
-        """This policy with what ``default`` and ``layers`` name replaced.
+    def overlay(
+        self, default: Mode | None, layers: Mapping[str, Mode], options: Mapping[str, object] | None = None
+    ) -> Policy:
+        """This policy with what ``default``, ``layers`` and verify ``options`` name replaced.
 
         A non-``None`` ``default`` names every layer, so the result ignores
-        this policy altogether; otherwise only ``layers`` change.
+        this policy's modes altogether; otherwise only ``layers`` change.
+        Options not given are kept; recording is kept.
         """
+        verify = _options(self._verify, options or {})
         if default is not None:
-            return _make(default, layers)
-        if not layers:
+            return _make(default, layers, verify, self._recording)
+        if not layers and verify == self._verify:
             return self
-        return _make(self._default, {**self._modes, **layers})
+        return _make(self._default, {**self._modes, **layers}, verify, self._recording)
+
+    def recorded(self, recording: bool) -> Policy:
+        """This policy with call recording switched on or off (see ``record_calls``)."""
+        if recording == self._recording:
+            return self
+        return _from_key((self._key[0], self._key[1], self._key[2], recording))
 
     @classmethod
     def parse(cls, text: str, *, source: str | None = None) -> Policy:
         """Parse ``"mode"`` or ``"mode,Layer=mode,..."`` (the default mode may be omitted).
 
-        ``source`` names where the text came from in error messages, e.g.
-        ``"KERNELPOLICY"`` or ``"header X-Kernel-Policy"``.
+        ``atol=``, ``rtol=`` and ``on_mismatch=`` entries set the options of
+        ``verify``. ``source`` names where the text came from in error
+        messages, e.g. ``"KERNELPOLICY"`` or ``"header X-Kernel-Policy"``.
 
         >>> Policy.parse("disable,RMSNorm=require")
         Policy('disable', RMSNorm='require')
         >>> Policy.parse("RMSNorm=fast")
         Traceback (most recent call last):
         ...
-        kernelpolicy._errors.PolicyError: policy 'RMSNorm=fast': unknown kernel policy mode 'fast' for layer 'RMSNorm'; valid modes are 'prefer', 'disable', 'require'
+        kernelpolicy._errors.PolicyError: policy 'RMSNorm=fast': unknown kernel policy mode 'fast' for layer 'RMSNorm'; valid modes are 'prefer', 'disable', 'require', 'verify'
         """
         where = f"{source}={text!r}" if source else f"policy {text!r}"
         if not isinstance(text, str):
             raise PolicyError(f"{where}: a policy must be given as a string, got {type(text).__name__}")
         default: Mode | None = None
         layers: dict[str, Mode] = {}
+        options: dict[str, object] = {}
         tokens = text.split(",")
         for position, raw in enumerate(tokens, start=1):
             token = raw.strip()
@@ -177,20 +257,29 @@ class Policy:
                     default = check_mode(token, "the default")
                     continue
                 name, _, mode = (part.strip() for part in token.partition("="))
+                if name in layers or name in options:
+                    raise PolicyError(f"{'option' if name in options else 'layer'} {name!r} named twice")
+                if name in VERIFY_OPTIONS:
+                    options.update(check_verify_options({name: mode}))
+                    continue
                 check_layer_name(name)
-                if name in layers:
-                    raise PolicyError(f"layer {name!r} named twice")
                 layers[name] = check_mode(mode, f"layer {name!r}")
             except PolicyError as exc:
                 detail = str(exc) if _VALID in str(exc) else f"{exc}; valid modes are {_VALID}"
                 raise PolicyError(f"{where}: {detail}") from None
-        return _make(default if default is not None else "prefer", layers)
+        return _make(default if default is not None else "prefer", layers, _options(NO_OPTIONS, options))
+
+    def _option_items(self) -> list[tuple[str, object]]:
+        names = ("atol", "rtol", "on_mismatch")
+        return [(n, v) for n, v, d in zip(names, self._verify, NO_OPTIONS, strict=True) if v != d]
 
     def __str__(self) -> str:
-        return ",".join([self._default, *(f"{name}={mode}" for name, mode in self._key[1])])
+        entries = [self._default, *(f"{name}={mode}" for name, mode in self._key[1])]
+        return ",".join(entries + [f"{name}={value}" for name, value in self._option_items()])
 
     def __repr__(self) -> str:
         args = [repr(self._default), *(f"{name}={mode!r}" for name, mode in self._key[1])]
+        args += [f"{name}={value!r}" for name, value in self._option_items()]
         return f"Policy({', '.join(args)})"
 
     def __setattr__(self, name: str, value: object) -> None:
@@ -207,6 +296,13 @@ class Policy:
 
     def __deepcopy__(self, memo: object) -> Policy:
         return self
+
+
+def _options(base: _Verify, options: Mapping[str, object]) -> _Verify:
+    atol = options.get("atol", base[0])
+    rtol = options.get("rtol", base[1])
+    on_mismatch = options.get("on_mismatch", base[2])
+    return (cast("float | None", atol), cast("float | None", rtol), str(on_mismatch))
 
 
 @final
@@ -231,6 +327,10 @@ _INTERN_LOCK = threading.Lock()
 _KNOWN_LAYERS: set[str] = set()
 
 
+def _entry(mode: Mode, recording: bool) -> str:
+    return RECORDING[mode] if recording else mode
+
+
 def register_layer_name(name: str) -> None:
     """Make ``name`` resolvable as ``policy._table.<name>`` in every policy, now and later."""
     if name in _KNOWN_LAYERS:
@@ -238,33 +338,39 @@ def register_layer_name(name: str) -> None:
     with _INTERN_LOCK:
         if name not in _KNOWN_LAYERS:
             for policy in list(_INTERNED.values()):
-                policy._table.__dict__.setdefault(name, policy._modes.get(name, policy._default))
+                mode = policy._modes.get(name, policy._default)
+                policy._table.__dict__.setdefault(name, _entry(mode, policy._recording))
             _KNOWN_LAYERS.add(name)
 
 
-def _make(default: Mode, layers: Mapping[str, object]) -> Policy:
+def _make(default: Mode, layers: Mapping[str, object], verify: _Verify = NO_OPTIONS, recording: bool = False) -> Policy:
     modes: dict[str, Mode] = {}
     for name, mode in layers.items():
         checked = check_mode(mode, f"layer {check_layer_name(name)!r}")
         if checked != default:
             modes[name] = checked
-    return _from_key((default, tuple(sorted(modes.items()))))
+    return _from_key((default, tuple(sorted(modes.items())), verify, recording))
 
 
 def _from_key(key: _Key) -> Policy:
     found = _INTERNED.get(key)
     if found is not None:
         return found
+    recording = key[3]
+    logical = _from_key((*key[:3], False)) if recording else None  # before taking the (non-reentrant) lock
     with _INTERN_LOCK:
         found = _INTERNED.get(key)
         if found is None:
             found = object.__new__(Policy)
             modes = dict(key[1])
             table = _ModeTable()
-            table.__dict__.update({name: modes.get(name, key[0]) for name in _KNOWN_LAYERS})
+            table.__dict__.update({name: _entry(modes.get(name, key[0]), recording) for name in _KNOWN_LAYERS})
             object.__setattr__(found, "_default", key[0])
             object.__setattr__(found, "_modes", modes)
             object.__setattr__(found, "_table", table)
+            object.__setattr__(found, "_verify", key[2])
+            object.__setattr__(found, "_recording", recording)
+            object.__setattr__(found, "_logical", logical if logical is not None else found)
             object.__setattr__(found, "_key", key)
             _INTERNED[key] = found
         return found
@@ -333,4 +439,4 @@ def current_policy() -> Policy:
     'disable'
     """
     ensure_env()
-    return cast("Policy", DEFAULTS.policy._current)
+    return cast("Policy", DEFAULTS.policy._current)._logical

@@ -38,7 +38,18 @@ from contextvars import ContextVar, Token
 from typing import TYPE_CHECKING, Any, TypeVar, cast, final
 
 from ._errors import PolicyError, ScopeError
-from ._policy import _SCOPED, BUILTIN, DEFAULTS, Mode, Policy, check_layer_name, check_mode, ensure_env
+from ._policy import (
+    _SCOPED,
+    BUILTIN,
+    DEFAULTS,
+    RECORDERS,
+    Mode,
+    Policy,
+    check_layer_name,
+    check_mode,
+    ensure_env,
+    split_options,
+)
 
 if TYPE_CHECKING:
     from collections.abc import AsyncGenerator, Awaitable, Callable, Generator, Mapping
@@ -48,22 +59,29 @@ __all__ = ["kernel_policy", "kernels_disabled", "propagate", "set_default_policy
 
 F = TypeVar("F", bound="Callable[..., Any]")
 
-# (scope, token of its _SCOPED.set, enclosing frame): the entries of this context.
-_Frame = tuple["kernel_policy", Token[Policy], "Any"]
+# (scope, token of its _SCOPED.set, token of its RECORDERS.set or None, enclosing
+# frame): the entries of this context.
+_Frame = tuple["kernel_policy", Token[Policy], "Token[tuple[Any, ...]] | None", "Any"]
 _FRAMES: ContextVar[_Frame | None] = ContextVar("kernelpolicy.frames", default=None)
 _CACHE_LIMIT = 64
 
 
-def _validated(mode: object, layers: Mapping[str, object]) -> tuple[Policy | None, Mode | None, dict[str, Mode]]:
-    """Check scope arguments eagerly; return (fixed policy, default mode, layer modes)."""
+def _validated(
+    mode: object, arguments: Mapping[str, object]
+) -> tuple[Policy | None, Mode | None, dict[str, Mode], dict[str, object]]:
+    """Check scope arguments eagerly; return (fixed policy, default mode, layer modes, verify options)."""
+    layers, options = split_options(arguments)
     checked = {check_layer_name(name): check_mode(value, f"layer {name!r}") for name, value in layers.items()}
     if isinstance(mode, Policy):
-        if checked:
-            raise PolicyError(f"give either a Policy or layer modes, not both (got {mode!r} and {sorted(checked)})")
-        return mode, None, {}
+        if checked or options:
+            raise PolicyError(
+                f"give either a Policy or layer modes and options, not both (got {mode!r} and "
+                f"{sorted([*checked, *options])})"
+            )
+        return mode._logical, None, {}, {}
     if mode is None:
-        return None, None, checked
-    return None, check_mode(mode, "the default"), checked
+        return None, None, checked, options
+    return None, check_mode(mode, "the default"), checked, options
 
 
 @final
@@ -74,6 +92,7 @@ class kernel_policy:  # noqa: N801 - lowercase like numpy.errstate and decimal.l
     keyword arguments name single kernel layers (by the name given to
     ``use_kernel_forward_from_hub``). A :class:`~kernelpolicy.Policy` value
     may be passed instead of ``mode`` to re-apply a captured policy.
+    ``atol``, ``rtol`` and ``on_mismatch`` set the options of ``verify``.
 
     >>> from kernelpolicy import current_policy, kernel_policy
     >>> with kernel_policy("prefer", RMSNorm="disable"):
@@ -90,19 +109,25 @@ class kernel_policy:  # noqa: N801 - lowercase like numpy.errstate and decimal.l
     :class:`~kernelpolicy.PolicyError` here, never later in a forward.
     """
 
-    __slots__ = ("_cache", "_fixed", "_layers", "_mode")
+    __slots__ = ("_cache", "_fixed", "_layers", "_mode", "_options", "_recorders", "_recording")
 
-    def __init__(self, mode: Mode | Policy | None = None, /, **layers: Mode) -> None:
-        self._fixed, self._mode, self._layers = _validated(mode, layers)
+    def __init__(self, mode: Mode | Policy | None = None, /, **layers: Any) -> None:
+        self._fixed, self._mode, self._layers, self._options = _validated(mode, layers)
         self._cache: dict[Policy, Policy] = {}
+        # Internal (record_calls, propagate): switch recording, install recorders.
+        self._recording: bool | None = None
+        self._recorders: tuple[Any, ...] | None = None
 
     def resolve(self, enclosing: Policy) -> Policy:
         """The policy this scope puts in effect inside ``enclosing``."""
-        if self._fixed is not None:
-            return self._fixed
         found = self._cache.get(enclosing)
         if found is None:
-            found = enclosing.overlay(self._mode, self._layers)
+            if self._fixed is not None:
+                found = self._fixed.recorded(enclosing._recording)
+            else:
+                found = enclosing.overlay(self._mode, self._layers, self._options)
+            if self._recording is not None:
+                found = found.recorded(self._recording)
             if len(self._cache) >= _CACHE_LIMIT:
                 self._cache.clear()
             self._cache[enclosing] = found
@@ -112,8 +137,9 @@ class kernel_policy:  # noqa: N801 - lowercase like numpy.errstate and decimal.l
         ensure_env()
         policy = self.resolve(DEFAULTS.policy._current)
         token = _SCOPED.set(policy)
-        _FRAMES.set((self, token, _FRAMES.get()))
-        return policy
+        recorders = None if self._recorders is None else RECORDERS.set(self._recorders)
+        _FRAMES.set((self, token, recorders, _FRAMES.get()))
+        return policy._logical
 
     def __exit__(
         self,
@@ -133,11 +159,13 @@ class kernel_policy:  # noqa: N801 - lowercase like numpy.errstate and decimal.l
             )
         try:
             _SCOPED.reset(frame[1])
+            if frame[2] is not None:
+                RECORDERS.reset(frame[2])
         except (ValueError, RuntimeError) as error:  # token from another Context, or already used
             raise ScopeError(
                 f"{self!r} exited in another context than it was entered in, or exited there already"
             ) from error
-        _FRAMES.set(frame[2])
+        _FRAMES.set(frame[3])
 
     def __call__(self, fn: F) -> F:
         """Decorate ``fn`` so that its body runs under this scope (see the module docstring)."""
@@ -236,6 +264,7 @@ class kernel_policy:  # noqa: N801 - lowercase like numpy.errstate and decimal.l
             return f"kernel_policy({self._fixed!r})"
         args = [repr(self._mode)] if self._mode is not None else []
         args += [f"{name}={mode!r}" for name, mode in self._layers.items()]
+        args += [f"{name}={value!r}" for name, value in self._options.items()]
         return f"kernel_policy({', '.join(args)})"
 
 
@@ -291,7 +320,7 @@ def kernels_disabled(*layer_names: str) -> kernel_policy:
     return kernel_policy(**dict.fromkeys(layer_names, disable))
 
 
-def set_default_policy(mode: Mode | Policy | None = None, /, **layers: Mode) -> Policy:
+def set_default_policy(mode: Mode | Policy | None = None, /, **layers: Any) -> Policy:
     """Set the process-wide policy seen where no scope is active; return the previous one.
 
     Arguments are those of :class:`kernel_policy` and layer over the
@@ -307,16 +336,16 @@ def set_default_policy(mode: Mode | Policy | None = None, /, **layers: Mode) -> 
     'disable'
     >>> _ = kernelpolicy.set_default_policy(previous)
     """
-    fixed, default, checked = _validated(mode, layers)
+    fixed, default, checked, options = _validated(mode, layers)
     ensure_env()
     with DEFAULTS.lock:
         previous = DEFAULTS.policy
         base = DEFAULTS.env if DEFAULTS.env is not None else BUILTIN
-        if fixed is None and default is None and not checked:
+        if fixed is None and default is None and not checked and not options:
             DEFAULTS.explicit = None
             DEFAULTS.policy = base
         else:
-            new = fixed if fixed is not None else base.overlay(default, checked)
+            new = fixed if fixed is not None else base.overlay(default, checked, options)
             DEFAULTS.explicit = new
             DEFAULTS.policy = new
     return previous
@@ -325,8 +354,10 @@ def set_default_policy(mode: Mode | Policy | None = None, /, **layers: Mode) -> 
 def propagate(fn: F) -> F:
     """Wrap ``fn`` to run under the policy in effect now, wherever it is called.
 
-    Thread pools and ``loop.run_in_executor`` do not carry contexts; wrap the
-    callable before handing it over:
+    Carries kernelpolicy's state only: the policy, and the ``record_calls``
+    recorders active here (so calls made by the worker are counted for the
+    caller). Thread pools and ``loop.run_in_executor`` do not carry contexts;
+    wrap the callable before handing it over:
 
     >>> from concurrent.futures import ThreadPoolExecutor
     >>> from kernelpolicy import current_policy, kernels_disabled, propagate
@@ -335,4 +366,8 @@ def propagate(fn: F) -> F:
     'disable'
     """
     ensure_env()
-    return kernel_policy(DEFAULTS.policy._current)(fn)
+    current: Policy = DEFAULTS.policy._current
+    scope = kernel_policy(current._logical)
+    scope._recording = current._recording
+    scope._recorders = RECORDERS.get()
+    return scope(fn)

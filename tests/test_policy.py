@@ -25,7 +25,7 @@ def assert_lists_valid_modes(message: str) -> None:
 
 
 def test_modes_constant() -> None:
-    assert kp.MODES == ("prefer", "disable", "require")
+    assert kp.MODES == ("prefer", "disable", "require", "verify")
 
 
 def test_policy_error_and_scope_error_hierarchy() -> None:

@@ -1,0 +1,111 @@
+"""Call accounting: how many calls took each path, per module and kernel layer, and why.
+
+This module owns :func:`record_calls` and :class:`CallCounts`.
+
+Recording costs nothing when it is not in use: the forward's fast exits are
+untouched. Inside ``record_calls()`` the policy in effect is the *recording
+twin* of the logical one (``Policy.recorded(True)``: same modes, but table
+entries the fast exits do not know), so every call takes the slow path, which
+decides as usual and adds one count to every active recorder. Recorders
+follow the ContextVar rules (per thread, per task); :func:`~kernelpolicy.propagate`
+carries them into workers. Calls inside a ``torch.compile``d graph are not
+counted: a compiled graph runs no Python.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import threading
+from typing import TYPE_CHECKING, final
+
+from ._policy import RECORDERS
+from ._scope import kernel_policy
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+__all__ = ["CallCounts", "record_calls"]
+
+
+@final
+class CallCounts:
+    """Counts recorded by :func:`record_calls`, keyed by (module, layer name, path, reason)."""
+
+    __slots__ = ("_counts", "_lock")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: collections.Counter[tuple[str, str, str, str]] = collections.Counter()
+
+    def add(self, module: str | None, layer_name: str, path: str, reason: str) -> None:
+        with self._lock:
+            self._counts[(module or "", layer_name, path, reason)] += 1
+
+    def by_layer(self) -> dict[str, dict[str, int]]:
+        """``{layer_name: {path: calls}}``, e.g. ``{"RMSNorm": {"kernel": 5}}``."""
+        result: dict[str, dict[str, int]] = {}
+        for (_, layer, path, _), calls in self.items():
+            result.setdefault(layer, {}).setdefault(path, 0)
+            result[layer][path] += calls
+        return result
+
+    def by_module(self) -> dict[str, dict[str, int]]:
+        """``{module path: {path: calls}}``."""
+        result: dict[str, dict[str, int]] = {}
+        for (module, _, path, _), calls in self.items():
+            result.setdefault(module, {}).setdefault(path, 0)
+            result[module][path] += calls
+        return result
+
+    def items(self) -> list[tuple[tuple[str, str, str, str], int]]:
+        """Every ((module, layer name, path, reason), calls), sorted."""
+        with self._lock:
+            return sorted(self._counts.items())
+
+    def total(self, layer_name: str | None = None, path: str | None = None) -> int:
+        """Calls recorded, optionally only for one layer name and/or one path."""
+        return sum(
+            calls
+            for (_, layer, taken, _), calls in self.items()
+            if (layer_name is None or layer == layer_name) and (path is None or taken == path)
+        )
+
+    def __str__(self) -> str:
+        rows = [
+            (module or "(root)", layer, path, reason, str(calls))
+            for (module, layer, path, reason), calls in self.items()
+        ]
+        header = ("module", "layer", "path", "reason", "calls")
+        widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+        return "\n".join(
+            "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in [header, *rows]
+        )
+
+    def __repr__(self) -> str:
+        return f"CallCounts({self.by_layer()!r})"
+
+
+@contextlib.contextmanager
+def record_calls() -> Iterator[CallCounts]:
+    """Count, for this block, the calls of policy-aware layers by path and reason.
+
+    >>> import torch, kernelpolicy
+    >>> @kernelpolicy.use_kernel_forward_from_hub("Double")
+    ... class Double(torch.nn.Module):
+    ...     def forward(self, x):
+    ...         return 2 * x
+    >>> layer = Double()
+    >>> with kernelpolicy.record_calls() as calls:
+    ...     _ = layer(torch.ones(1))
+    >>> calls.by_layer()
+    {'Double': {'original': 1}}
+
+    Nested blocks each count what runs inside them.
+    """
+    counts = CallCounts()
+    scope = kernel_policy()
+    scope._recording = True
+    scope._recorders = (*RECORDERS.get(), counts)
+    with scope:
+        yield counts

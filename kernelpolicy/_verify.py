@@ -1,0 +1,130 @@
+"""``verify`` mode: run the kernel and the original forward, compare, return the kernel's output.
+
+This module owns the comparison (structures of tensors, default tolerances by
+dtype) and :class:`~kernelpolicy.KernelMismatchError`'s numbers.
+
+How one verified call runs (eager only; under any tracer ``verify`` behaves
+like ``prefer``):
+
+1. the original forward runs first, on clones of every tensor argument (so
+   an in-place original cannot change what the kernel sees), under
+   ``torch.no_grad()`` and inside ``torch.random.fork_rng`` (so the kernel
+   sees the random state it would have seen without ``verify``);
+2. the kernel runs on the real arguments, exactly as under ``prefer``;
+3. the outputs are compared: same structure (tensors, tuples, lists, dicts,
+   other values by ``==``), same shapes and dtypes, and
+   ``|kernel - original| <= atol + rtol * |original|`` elementwise (NaN equal
+   to NaN). Module state that both runs update (running statistics, caches
+   passed as arguments and mutated) is updated twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+__all__ = ["DEFAULT_TOLERANCES", "Mismatch", "clone_tensors", "compare", "tolerances"]
+
+#: (rtol, atol) by dtype when the policy gives none; exact for integers and bool.
+DEFAULT_TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
+    torch.float64: (1e-7, 1e-7),
+    torch.float32: (1e-5, 1e-5),
+    torch.float16: (1e-3, 1e-3),
+    torch.bfloat16: (1.6e-2, 1e-2),
+    torch.complex128: (1e-7, 1e-7),
+    torch.complex64: (1e-5, 1e-5),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Mismatch:
+    """Where and by how much a kernel's output differs from the original's."""
+
+    where: str
+    detail: str
+    max_abs: float = float("nan")
+    max_rel: float = float("nan")
+    index: tuple[int, ...] | None = None
+
+
+def tolerances(dtype: torch.dtype, rtol: float | None, atol: float | None) -> tuple[float, float]:
+    default = DEFAULT_TOLERANCES.get(dtype, (0.0, 0.0))
+    return (default[0] if rtol is None else rtol, default[1] if atol is None else atol)
+
+
+def clone_tensors(value: Any) -> Any:
+    """``value`` with every tensor inside tuples, lists and dicts cloned."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, tuple):
+        items = [clone_tensors(item) for item in value]
+        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
+    if isinstance(value, list):
+        return [clone_tensors(item) for item in value]
+    if isinstance(value, dict):
+        return {key: clone_tensors(item) for key, item in value.items()}
+    return value
+
+
+def compare(
+    kernel: Any, original: Any, *, rtol: float | None, atol: float | None, where: str = "output"
+) -> Mismatch | None:
+    """The first mismatch between ``kernel`` and ``original`` outputs, or None."""
+    if isinstance(original, torch.Tensor):
+        if not isinstance(kernel, torch.Tensor):
+            return Mismatch(where, f"kernel returned {type(kernel).__name__}, original a tensor")
+        if kernel.shape != original.shape or kernel.dtype != original.dtype:
+            return Mismatch(
+                where,
+                f"kernel returned {tuple(kernel.shape)} {kernel.dtype}, original {tuple(original.shape)} {original.dtype}",
+            )
+        r, a = tolerances(original.dtype, rtol, atol)
+        k, o = kernel.detach(), original.detach()
+        if o.dtype.is_floating_point or o.dtype.is_complex:
+            close = torch.isclose(k, o, rtol=r, atol=a, equal_nan=True)
+        else:
+            close = k == o
+        if bool(close.all()):
+            return None
+        diff = (k.to(torch.float64) - o.to(torch.float64)).abs() if not o.is_complex() else (k - o).abs().double()
+        scale = o.abs().to(torch.float64)
+        rel = diff / scale.clamp_min(torch.finfo(torch.float64).tiny)
+        finite = torch.isfinite(diff)
+        first = tuple(int(i) for i in (~close).nonzero()[0].tolist())
+        return Mismatch(
+            where,
+            f"{int((~close).sum())} of {close.numel()} elements differ beyond rtol={r}, atol={a}",
+            max_abs=float(diff[finite].max()) if bool(finite.any()) else float("inf"),
+            max_rel=float(rel[finite].max()) if bool(finite.any()) else float("inf"),
+            index=first,
+        )
+    if isinstance(original, (tuple, list)):
+        if not isinstance(kernel, (tuple, list)) or len(kernel) != len(original):
+            return Mismatch(where, f"kernel returned {_describe(kernel)}, original {_describe(original)}")
+        for position, (k_item, o_item) in enumerate(zip(kernel, original, strict=True)):
+            found = compare(k_item, o_item, rtol=rtol, atol=atol, where=f"{where}[{position}]")
+            if found is not None:
+                return found
+        return None
+    if isinstance(original, Mapping):
+        if not isinstance(kernel, Mapping) or list(kernel.keys()) != list(original.keys()):
+            return Mismatch(where, f"kernel returned {_describe(kernel)}, original {_describe(original)}")
+        for key in original:
+            found = compare(kernel[key], original[key], rtol=rtol, atol=atol, where=f"{where}[{key!r}]")
+            if found is not None:
+                return found
+        return None
+    if kernel != original:
+        return Mismatch(where, f"kernel returned {kernel!r}, original {original!r}")
+    return None
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, Mapping):
+        return f"{type(value).__name__} with keys {list(value.keys())}"
+    if isinstance(value, (tuple, list)):
+        return f"{type(value).__name__} of {len(value)}"
+    return type(value).__name__

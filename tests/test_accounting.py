@@ -1,0 +1,138 @@
+"""Call accounting with record_calls(): per layer, path and reason; threads, tasks, compile."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+import kernelpolicy as kp
+from kernelpolicy._demo import DemoModel
+from kernelpolicy._policy import DEFAULTS
+
+X = torch.randn(3, 16, generator=torch.Generator().manual_seed(8))
+
+
+def test_counts_by_layer_module_path_and_reason(kernelized: Callable[..., DemoModel]) -> None:
+    model = kernelized("exact")
+    with kp.record_calls() as calls:
+        model(X)
+        with kp.kernels_disabled():
+            model(X)
+        with kp.kernel_policy(RMSNorm="disable"):
+            model(X)
+    assert calls.by_layer() == {"RMSNorm": {"kernel": 3, "original": 6}}
+    assert calls.by_module()["norm"] == {"kernel": 1, "original": 2}
+    assert calls.total() == 9
+    assert calls.total(path="original") == 6
+    reasons = {(module, path, reason): n for (module, _, path, reason), n in calls.items()}
+    assert reasons[("blocks.0.1", "original", "disabled by policy")] == 2
+    assert reasons[("blocks.0.1", "kernel", "kernel usable")] == 1
+    text = str(calls)
+    assert text.splitlines()[0].split() == ["module", "layer", "path", "reason", "calls"]
+    assert "disabled by policy" in text
+
+
+def test_errors_are_counted_before_they_raise() -> None:
+    model = kp.attach(DemoModel(16))
+    with kp.record_calls() as calls, kp.kernel_policy("require"), pytest.raises(kp.KernelUnavailableError):
+        model(X)
+    assert calls.by_layer() == {"RMSNorm": {"error": 1}}
+
+
+def test_nothing_is_recorded_outside_the_block(kernelized: Callable[..., DemoModel]) -> None:
+    model = kernelized("exact")
+    with kp.record_calls() as calls:
+        model(X)
+    model(X)
+    assert calls.total() == 3
+    assert not DEFAULTS.policy._current._recording
+
+
+def test_policy_inside_recording_is_the_logical_policy(kernelized: Callable[..., DemoModel]) -> None:
+    with kp.record_calls():
+        assert kp.current_policy() is kp.Policy("prefer")
+        with kp.kernel_policy("disable") as entered:
+            assert entered is kp.Policy("disable")
+            assert kp.current_policy() is kp.Policy("disable")
+            assert DEFAULTS.policy._current._recording
+    assert kp.current_policy() is kp.Policy("prefer")
+
+
+def test_nested_blocks_each_count_what_runs_inside(kernelized: Callable[..., DemoModel]) -> None:
+    model = kernelized("exact")
+    with kp.record_calls() as outer:
+        model(X)
+        with kp.record_calls() as inner:
+            model(X)
+    assert outer.total() == 6
+    assert inner.total() == 3
+
+
+def test_threads_record_separately_and_propagate_carries_the_recorder(
+    kernelized: Callable[..., DemoModel],
+) -> None:
+    model = kernelized("exact")
+    totals: list[int] = []
+    barrier = threading.Barrier(4)
+
+    def worker(repeat: int) -> None:
+        with kp.record_calls() as calls:
+            barrier.wait(timeout=30)
+            for _ in range(repeat):
+                model(X)
+        totals.append(calls.total())
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in (1, 2, 3, 4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert sorted(totals) == [3, 6, 9, 12]
+
+    with kp.record_calls() as calls, kp.kernels_disabled(), ThreadPoolExecutor(2) as pool:
+        propagated = kp.propagate(lambda: model(X))
+        for future in [pool.submit(propagated) for _ in range(4)]:
+            future.result()
+        pool.submit(lambda: model(X)).result()  # not propagated: not counted
+    assert calls.by_layer() == {"RMSNorm": {"original": 12}}
+
+
+def test_asyncio_tasks_record_separately(kernelized: Callable[..., DemoModel]) -> None:
+    model = kernelized("exact")
+
+    async def task(repeat: int) -> int:
+        with kp.record_calls() as calls:
+            for _ in range(repeat):
+                await asyncio.sleep(0)
+                model(X)
+        return calls.total()
+
+    async def main() -> list[int]:
+        return await asyncio.gather(*(task(n % 4 + 1) for n in range(20)))
+
+    assert asyncio.run(main()) == [3 * (n % 4 + 1) for n in range(20)]
+
+
+def test_explain_shows_recorded_calls(kernelized: Callable[..., DemoModel]) -> None:
+    model = kernelized("exact")
+    with kp.record_calls() as calls:
+        model(X)
+        model(X)
+    table = kp.explain(model, calls=calls)
+    assert [row.calls for row in table] == [{"kernel": 2}] * 3
+    assert "recorded calls" in str(table) and "kernel 2" in str(table)
+
+
+def test_compiled_calls_follow_policy_but_are_not_counted(kernelized: Callable[..., DemoModel]) -> None:
+    model = kernelized("traceable")
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    expected = model(X)
+    with kp.record_calls() as calls:
+        torch.testing.assert_close(compiled(X), expected)
+    assert calls.total() == 0
+    torch._dynamo.reset()

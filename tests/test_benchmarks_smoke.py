@@ -1,0 +1,65 @@
+"""Smoke test of the benchmark harness: ``python -m benchmarks.run --quick`` runs and writes complete JSON.
+
+It checks the shape of the results (every section, positive numbers, ratios present), never a timing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+SECTIONS = ("eager_noop", "eager_rmsnorm", "llama", "compiled", "import", "scopes")
+POSITIVE_KEYS = ("median_ns", "min_ns", "max_ns", "q1_ns", "q3_ns", "ratio", "ratio_min", "ratio_max")
+
+
+def positive(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
+def test_quick_run_writes_every_section(tmp_path: Path) -> None:
+    out = tmp_path / "nested" / "quick.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.run", "--quick", "--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, f"stdout:\n{done.stdout[-4000:]}\nstderr:\n{done.stderr[-4000:]}"
+
+    header = done.stdout.splitlines()[0]
+    assert "torch " in header and "kernels " in header and "Python " in header
+    assert "python -m benchmarks.run --quick --json" in header
+
+    data = json.loads(out.read_text())
+    assert data["meta"]["quick"] is True
+    assert set(data["sections"]) == set(SECTIONS)
+    for name in SECTIONS:
+        section = data["sections"][name]
+        assert f"## {name}:" in done.stdout
+        assert section["groups"], name
+        for group in section["groups"]:
+            names = {variant["name"] for variant in group["variants"]}
+            assert len(names) >= 2 and group["baseline"] in names, (name, group["title"])
+            for variant in group["variants"]:
+                where = (name, group["title"], variant["name"])
+                for key in POSITIVE_KEYS:
+                    assert positive(variant[key]), (*where, key, variant[key])
+                assert variant["ratio_to"] in names, where
+                assert variant["samples_ns"] and all(positive(s) for s in variant["samples_ns"]), where
+                assert variant["loops"] >= 1, where
+
+    generate = data["sections"]["llama"]["groups"][1]["variants"]
+    assert all(positive(v["extra"]["tokens/s"]) and positive(v["extra"]["throughput ratio"]) for v in generate)
+    compiled = data["sections"]["compiled"]["info"]
+    for key in ("kernelpolicy: compiles over prefer -> disabled -> prefer -> disabled", "graph breaks"):
+        assert isinstance(compiled[key], int) and compiled[key] >= 0, (key, compiled[key])
+    imported = data["sections"]["import"]["info"]
+    assert isinstance(imported["kernels imported by import kernelpolicy"], bool)
+    assert isinstance(imported["huggingface_hub imported by import kernelpolicy"], bool)

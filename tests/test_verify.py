@@ -1,0 +1,244 @@
+"""``verify`` mode on real local kernel repositories, one of them deliberately wrong."""
+
+from __future__ import annotations
+
+import logging
+import types
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import kernels
+import pytest
+import torch
+from torch import nn
+
+import kernelpolicy as kp
+from kernelpolicy._demo import DemoModel
+from kernelpolicy.testing import kernel_calls, rms_norm_kernel_source, write_kernel_repo
+
+X = torch.randn(3, 16, generator=torch.Generator().manual_seed(5))
+
+INPLACE_SOURCE = """
+import torch
+from torch import nn
+
+CALLS = [0]
+
+
+class RMSNorm(nn.Module):
+    def forward(self, hidden_states):
+        CALLS[0] += 1
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states.mul_(torch.rsqrt(variance + self.variance_epsilon)).mul_(self.weight)
+        return hidden_states
+"""
+
+
+@pytest.fixture(scope="module")
+def extra_repos(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("verify-repos")
+    return {
+        # 1% too large: the deliberately wrong kernel
+        "wrong": write_kernel_repo(root / "wrong", rms_norm_kernel_source(scale=1.01)),
+        "wrong_traceable": write_kernel_repo(
+            root / "wrong_traceable", rms_norm_kernel_source(scale=1.01, can_torch_compile=True)
+        ),
+        "inplace": write_kernel_repo(root / "inplace", INPLACE_SOURCE),
+    }
+
+
+@pytest.fixture
+def with_repo(extra_repos: dict[str, Path]) -> Callable[[str], DemoModel]:
+    def make(kind: str) -> DemoModel:
+        torch.manual_seed(0)
+        model = DemoModel(16).eval()
+        repo = kernels.LocalLayerRepository(repo_path=extra_repos[kind], layer_name="RMSNorm")
+        with kernels.use_kernel_mapping({"RMSNorm": {"cpu": repo}}):
+            kp.kernelize(model, mode="inference", device="cpu")
+        return model
+
+    return make
+
+
+def test_verify_passes_for_an_exact_kernel_and_returns_its_output(kernelized: Callable[..., DemoModel]) -> None:
+    model = kernelized("exact")
+    expected = model(X)
+    before = kernel_calls(model)
+    with kp.kernel_policy("verify"), kp.record_calls() as calls:
+        out = model(X)
+    assert kernel_calls(model) - before == 3
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    assert calls.by_layer() == {"RMSNorm": {"kernel": 3}}
+    assert {reason for (_, _, _, reason), _ in calls.items()} == {
+        "kernel usable; verified against the original forward"
+    }
+
+
+def test_wrong_kernel_raises_mismatch_naming_module_layer_errors_and_index(
+    with_repo: Callable[[str], DemoModel],
+) -> None:
+    model = with_repo("wrong")
+    with kp.kernel_policy("verify"), pytest.raises(kp.KernelMismatchError) as info:
+        model(X)
+    err = info.value
+    assert err.path == "blocks.0.1"
+    assert err.layer_name == "RMSNorm"
+    assert err.where == "output"
+    assert err.index == (0, 0)
+    assert err.max_rel == pytest.approx(0.01, rel=1e-3)
+    assert err.max_abs > 1e-3
+    message = str(err)
+    for fragment in ("'blocks.0.1'", "'RMSNorm'", "max abs error", "max rel error 0.01", "index (0, 0)"):
+        assert fragment in message
+    # prefer runs the wrong kernel without checking
+    model(X)
+
+
+def test_tolerances_can_be_widened(with_repo: Callable[[str], DemoModel]) -> None:
+    model = with_repo("wrong")
+    with kp.kernel_policy("verify", rtol=0.02, atol=1e-4):
+        model(X)
+    with kp.kernel_policy("verify", rtol=0.005), pytest.raises(kp.KernelMismatchError):
+        model(X)
+    # options are inherited by nested scopes that do not set them
+    with kp.kernel_policy("verify", rtol=0.02), kp.kernel_policy(SiLU="disable"):
+        model(X)
+
+
+def test_on_mismatch_warn_logs_once_per_layer_and_returns_kernel_output(
+    with_repo: Callable[[str], DemoModel], caplog: pytest.LogCaptureFixture
+) -> None:
+    model = with_repo("wrong")
+    expected = model(X)
+    with caplog.at_level(logging.WARNING, logger="kernelpolicy"), kp.kernel_policy("verify", on_mismatch="warn"):
+        for _ in range(3):
+            torch.testing.assert_close(model(X), expected, rtol=0, atol=0)
+    warnings = [r for r in caplog.records if r.name == "kernelpolicy" and r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert "kernel output differs from the original forward" in warnings[0].getMessage()
+
+
+def test_verify_acts_as_prefer_under_compile(with_repo: Callable[[str], DemoModel]) -> None:
+    model = with_repo("wrong_traceable")
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    expected = model(X)  # prefer: the (wrong) kernel
+    with kp.kernel_policy("verify"):
+        torch.testing.assert_close(compiled(X), expected)
+        with pytest.raises(kp.KernelMismatchError):
+            model(X)  # eager still verifies
+
+
+def test_in_place_kernel_cannot_alter_what_the_original_sees(with_repo: Callable[[str], DemoModel]) -> None:
+    model = with_repo("inplace")
+    norm = model.norm
+    x = torch.randn(2, 16, generator=torch.Generator().manual_seed(6)) * 3
+    with kp.kernels_disabled():
+        reference = norm(x.clone())
+    with kp.kernel_policy("verify"):
+        y = x.clone()
+        out = norm(y)  # the original ran on a clone before the kernel changed y in place
+    torch.testing.assert_close(out, reference)
+    assert out.data_ptr() == y.data_ptr(), "the kernel's in-place effect is kept, as under prefer"
+
+
+class _Structured(nn.Module):
+    kernel_layer_name = "Structured"
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, list[Any], dict[str, Any]]:
+        return x + 1, [x * 2, "tag"], {"a": x.sum(), "b": x - 1}
+
+
+class _StructuredKernel(nn.Module):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, list[Any], dict[str, Any]]:
+        b = x - 1
+        b[0, 1] += 0.5
+        return x + 1, [x * 2, "tag"], {"a": x.sum(), "b": b}
+
+
+class _WrongStructure(nn.Module):
+    def forward(self, x: torch.Tensor) -> Any:
+        return x + 1, [x * 2, "tag"], {"a": x.sum()}
+
+
+def _bound(kernel: type[nn.Module]) -> nn.Module:
+    layer = _Structured()
+    layer.forward = types.MethodType(kernel.forward, layer)  # type: ignore[method-assign]  # as kernels binds
+    return kp.attach(layer)
+
+
+def test_nested_outputs_are_compared_and_the_mismatch_located() -> None:
+    layer = _bound(_StructuredKernel)
+    x = torch.zeros(2, 3)
+    with kp.kernel_policy("verify"), pytest.raises(kp.KernelMismatchError) as info:
+        layer(x)
+    assert info.value.where == "output[2]['b']"
+    assert info.value.index == (0, 1)
+    assert info.value.max_abs == pytest.approx(0.5)
+
+
+def test_structure_mismatch_is_reported() -> None:
+    layer = _bound(_WrongStructure)
+    with kp.kernel_policy("verify"), pytest.raises(kp.KernelMismatchError, match=r"keys \['a'\].*keys \['a', 'b'\]"):
+        layer(torch.zeros(2, 3))
+
+
+class _Noisy(nn.Module):
+    kernel_layer_name = "Noisy"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.rand_like(x)
+
+
+class _NoisyKernel(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.rand_like(x) + x
+
+
+def test_random_state_is_forked_for_the_original_run() -> None:
+    layer = _Noisy()
+    layer.forward = types.MethodType(_NoisyKernel.forward, layer)  # type: ignore[method-assign]
+    kp.attach(layer)
+    x = torch.zeros(4)
+    torch.manual_seed(7)
+    with kp.kernel_policy("verify"):
+        verified = layer(x)  # would mismatch if the two runs drew different numbers
+    after_verify = torch.rand(1)
+    torch.manual_seed(7)
+    preferred = layer(x)
+    after_prefer = torch.rand(1)
+    torch.testing.assert_close(verified, preferred, rtol=0, atol=0)
+    torch.testing.assert_close(after_verify, after_prefer, rtol=0, atol=0)
+
+
+def test_verify_options_in_policy_values_and_syntax() -> None:
+    p = kp.Policy.parse("verify,RMSNorm=prefer,atol=0.001,on_mismatch=warn")
+    assert p is kp.Policy("verify", RMSNorm="prefer", atol=1e-3, on_mismatch="warn")
+    assert (p.atol, p.rtol, p.on_mismatch) == (0.001, None, "warn")
+    assert str(p) == "verify,RMSNorm=prefer,atol=0.001,on_mismatch=warn"
+    assert kp.Policy.parse(str(p)) is p
+    with kp.kernel_policy("verify", rtol=0.5):
+        assert kp.current_policy().rtol == 0.5
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "fragment"),
+    [
+        ({"atol": -1}, "atol must be a number >= 0, got -1"),
+        ({"rtol": "x"}, "rtol must be a number >= 0, got 'x'"),
+        ({"on_mismatch": "ignore"}, "on_mismatch must be 'raise' or 'warn', got 'ignore'"),
+    ],
+)
+def test_bad_verify_options(kwargs: dict[str, Any], fragment: str) -> None:
+    with pytest.raises(kp.PolicyError, match=fragment):
+        kp.kernel_policy("verify", **kwargs)
+    with pytest.raises(kp.PolicyError, match=fragment):
+        kp.Policy("verify", **kwargs)
+
+
+def test_explain_under_verify(kernelized: Callable[..., DemoModel]) -> None:
+    with kp.kernel_policy("verify"):
+        rows = kp.explain(kernelized("exact")).rows
+    assert {(r.mode, r.path, r.reason) for r in rows} == {
+        ("verify", "kernel", "kernel usable; verified against the original forward")
+    }
