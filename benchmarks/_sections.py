@@ -23,7 +23,7 @@ import torch
 
 import kernelpolicy
 from kernelpolicy import kernel_policy, kernels_disabled
-from kernelpolicy.testing import kernel_calls
+from kernelpolicy.testing import kernel_calls, tiny_llama
 
 from . import _layers
 from ._timing import Group, Settings, Variant, measure, summarize
@@ -173,37 +173,22 @@ def eager_rmsnorm(ctx: RunContext) -> Section:
 # --- 3. llama -----------------------------------------------------------------------------------------
 
 
-def _tiny_llama() -> Any:
-    import transformers
-
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=256,
-    )
-    model_class: Any = transformers.LlamaForCausalLM
-    return model_class(config).eval()
-
-
 def llama(ctx: RunContext) -> Section:
     section = Section(
         "llama",
         "Tiny transformers Llama with a local RMSNorm kernel",
         "LlamaForCausalLM (hidden 64, intermediate 128, 2 layers, 4 heads, 2 kv heads, vocab 256), 5 RMSNorm "
-        "layers bound to a bit-identical local kernel. Baseline: kernels.kernelize; other row: "
-        "kernelpolicy.kernelize, on a second instance built with the same seed.",
+        "layers bound to a bit-identical local kernel. Baseline: kernels.kernelize; other rows: "
+        "kernelpolicy.kernelize, on a second instance built with the same seed (under prefer, under "
+        "verify, which also runs and compares the original forward, and inside record_calls()).",
     )
     import kernels
     import transformers
 
     section.info["transformers"] = transformers.__version__
     repo = ctx.repos.rms_norm(can_torch_compile=False)
-    base: Any = ctx.repos.kernels_kernelize(_tiny_llama(), "RMSNorm", repo, mode=kernels.Mode.INFERENCE)
-    policy: Any = ctx.repos.policy_kernelize(_tiny_llama(), "RMSNorm", repo)
+    base: Any = ctx.repos.kernels_kernelize(tiny_llama(), "RMSNorm", repo, mode=kernels.Mode.INFERENCE)
+    policy: Any = ctx.repos.policy_kernelize(tiny_llama(), "RMSNorm", repo)
     _layers.kernel_function(base.model.norm)
     section.info["kernelpolicy forward"] = _layers.dispatch_variant(policy.model.norm)
 
@@ -234,6 +219,18 @@ def llama(ctx: RunContext) -> Section:
             [
                 Variant(baseline, "m(ids)", {"m": base, "ids": ids}),
                 Variant("kernelpolicy.kernelize", "m(ids)", {"m": policy, "ids": ids}),
+                Variant(
+                    "kernelpolicy under kernel_policy('verify')",
+                    "m(ids)",
+                    {"m": policy, "ids": ids},
+                    context=lambda: kernelpolicy.kernel_policy("verify"),
+                ),
+                Variant(
+                    "kernelpolicy inside record_calls()",
+                    "m(ids)",
+                    {"m": policy, "ids": ids},
+                    context=kernelpolicy.record_calls,
+                ),
             ],
             baseline=baseline,
             settings=ctx.settings,

@@ -44,18 +44,17 @@ class CallCounts:
 
     def by_layer(self) -> dict[str, dict[str, int]]:
         """``{layer_name: {path: calls}}``, e.g. ``{"RMSNorm": {"kernel": 5}}``."""
-        result: dict[str, dict[str, int]] = {}
-        for (_, layer, path, _), calls in self.items():
-            result.setdefault(layer, {}).setdefault(path, 0)
-            result[layer][path] += calls
-        return result
+        return self._by(1)
 
     def by_module(self) -> dict[str, dict[str, int]]:
         """``{module path: {path: calls}}``."""
+        return self._by(0)
+
+    def _by(self, field: int) -> dict[str, dict[str, int]]:
         result: dict[str, dict[str, int]] = {}
-        for (module, _, path, _), calls in self.items():
-            result.setdefault(module, {}).setdefault(path, 0)
-            result[module][path] += calls
+        for key, calls in self.items():
+            paths = result.setdefault(key[field], {})
+            paths[key[2]] = paths.get(key[2], 0) + calls
         return result
 
     def items(self) -> list[tuple[tuple[str, str, str, str], int]]:

@@ -23,14 +23,14 @@ import json
 import sys
 import textwrap
 import uuid
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pathlib import Path
 
     from torch import nn
 
-__all__ = ["kernel_calls", "rms_norm_kernel_source", "write_kernel_repo"]
+__all__ = ["kernel_calls", "rms_norm_kernel_source", "tiny_llama", "write_kernel_repo"]
 
 
 def write_kernel_repo(root: Path, layers_source: str, *, name: str = "local-kernel") -> Path:
@@ -110,3 +110,26 @@ def kernel_calls(model: nn.Module) -> int:
             if calls is not None:
                 counters[id(calls)] = calls
     return sum(int(calls[0]) for calls in counters.values())
+
+
+def tiny_llama(seed: int = 0) -> Any:
+    """A tiny ``transformers.LlamaForCausalLM`` built from a config (no download), in eval mode.
+
+    Hidden size 64, 2 layers, 4 heads, 2 key-value heads, vocabulary 256: 5
+    ``LlamaRMSNorm`` layers (kernel layer name ``RMSNorm``), 2 ``SiLU``
+    activations and a rotary-embedding kernel function per attention block.
+    """
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+    )
+    model_class: Any = transformers.LlamaForCausalLM
+    return model_class(config).eval()

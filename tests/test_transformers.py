@@ -11,24 +11,11 @@ import torch
 
 import kernelpolicy as kp
 from kernelpolicy._binding import binding_of
-from kernelpolicy.testing import kernel_calls
+from kernelpolicy.testing import kernel_calls, tiny_llama
 
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
 
 IDS = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(3))
-
-
-def tiny_llama() -> Any:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=256,
-    )
-    return transformers.LlamaForCausalLM(config).eval()
 
 
 @pytest.fixture
