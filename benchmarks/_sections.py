@@ -85,6 +85,7 @@ def eager_noop(ctx: RunContext) -> Section:
     repo_plain = repos.noop(can_torch_compile=False)
 
     direct = repos.kernels_kernelize(_layers.NoopLayer(), "Noop", repo_ctc)
+    direct_again = repos.kernels_kernelize(_layers.NoopLayer(), "Noop", repo_ctc)
     kernel_forward = _layers.kernel_function(direct)
     policy_ctc = repos.policy_kernelize(_layers.NoopLayer(), "Noop", repo_ctc)
     policy_plain = repos.policy_kernelize(_layers.NoopLayer(), "Noop", repo_plain)
@@ -105,6 +106,7 @@ def eager_noop(ctx: RunContext) -> Section:
     baseline = "(a) kernels direct binding"
     variants = [
         Variant(baseline, "m(x)", call(direct), note="kernels.kernelize: forward = MethodType(kernel.forward, m)"),
+        Variant("(a') kernels direct binding, second instance (A/A control)", "m(x)", call(direct_again)),
         Variant("(b) kernelpolicy prefer, can_torch_compile=True", "m(x)", call(policy_ctc)),
         Variant("(b) kernelpolicy prefer, can_torch_compile=False", "m(x)", call(policy_plain)),
         Variant("(b) kernelpolicy under kernels_disabled()", "m(x)", call(policy_ctc), context=kernels_disabled),
@@ -142,6 +144,7 @@ def eager_rmsnorm(ctx: RunContext) -> Section:
     repo_ctc = repos.rms_norm(can_torch_compile=True)
     hidden = 4096
     direct = repos.kernels_kernelize(RMSNorm(hidden), "RMSNorm", repo_plain)
+    direct_again = repos.kernels_kernelize(RMSNorm(hidden), "RMSNorm", repo_plain)
     policy_ctc = repos.policy_kernelize(RMSNorm(hidden), "RMSNorm", repo_ctc)
     policy_plain = repos.policy_kernelize(RMSNorm(hidden), "RMSNorm", repo_plain)
     original = RMSNorm(hidden)
@@ -152,12 +155,13 @@ def eager_rmsnorm(ctx: RunContext) -> Section:
         x = torch.randn(batch, hidden, generator=torch.Generator().manual_seed(batch))
         with torch.no_grad():
             expected = original(x)
-            for module in (direct, policy_ctc, policy_plain):
+            for module in (direct, direct_again, policy_ctc, policy_plain):
                 if not torch.equal(module(x), expected):
                     raise RuntimeError("the RMSNorm kernel is not bit-identical to the original forward")
         baseline = "(a) kernels direct binding"
         variants = [
             Variant(baseline, "m(x)", {"m": direct, "x": x}),
+            Variant("(a') kernels direct binding, second instance (A/A control)", "m(x)", {"m": direct_again, "x": x}),
             Variant("(b) kernelpolicy prefer, can_torch_compile=True", "m(x)", {"m": policy_ctc, "x": x}),
             Variant("(b) kernelpolicy prefer, can_torch_compile=False", "m(x)", {"m": policy_plain, "x": x}),
             Variant("original forward, no kernels (reference)", "m(x)", {"m": original, "x": x}),

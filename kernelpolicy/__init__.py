@@ -19,15 +19,43 @@ Importing kernelpolicy does not import ``kernels`` or ``huggingface_hub``.
 
 from __future__ import annotations
 
-from ._accounting import CallCounts, record_calls
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from ._binding import attach, kernelize, replace_kernel_forward_from_hub, use_kernel_forward_from_hub
 from ._errors import KernelMismatchError, KernelUnavailableError, PolicyError, ScopeError
-from ._explain import Explanation, LayerRow, explain
 from ._policy import ENV_VAR, MODES, Mode, Policy, current_policy
 from ._scope import kernel_policy, kernels_disabled, propagate, set_default_policy
 from ._state import ExecutionState, execution_state
 
+if TYPE_CHECKING:
+    from ._accounting import CallCounts, record_calls
+    from ._explain import Explanation, LayerRow, explain
+
 __version__ = "0.1.0"
+
+# Tools that no forward needs are imported on first use (import time matters:
+# see benchmarks, section "import").
+_LAZY = {
+    "CallCounts": "._accounting",
+    "record_calls": "._accounting",
+    "Explanation": "._explain",
+    "LayerRow": "._explain",
+    "explain": "._explain",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kernelpolicy' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])
 
 __all__ = [
     "ENV_VAR",

@@ -59,7 +59,6 @@ from torch.compiler import is_dynamo_compiling as _is_dynamo
 from . import _state
 from ._errors import KernelMismatchError, KernelUnavailableError, unavailable_message
 from ._policy import DEFAULTS, PLAIN, RECORDERS, register_layer_name
-from ._verify import clone_tensors, compare
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -206,6 +205,7 @@ class Binding:
 
     def verify(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Run the original (on cloned inputs) and the kernel; compare; return the kernel's output."""
+        from ._verify import clone_tensors, compare
         policy = DEFAULTS.policy._current
         kernel = self.kernel
         assert kernel is not None
