@@ -112,3 +112,17 @@ def test_kernels_mode_flag_accepted(mapping: Callable[[str], Any]) -> None:
     with mapping("exact"):
         kp.kernelize(model, mode=kernels.Mode.INFERENCE, device="cpu")
     assert calls_during(model, lambda: model(IDS))[0] == 5
+
+
+def test_record_calls_on_generate(llama: Any) -> None:
+    with kp.record_calls() as calls:
+        llama.generate(IDS, max_new_tokens=3, do_sample=False)
+    counts = calls.by_layer()
+    assert counts["RMSNorm"] == {"kernel": 15}  # 5 norms x 3 forwards
+    assert counts["SiLU"] == {"original": 6}  # 2 activations x 3 forwards, no kernel mapped
+    assert counts["rotary_pos_emb"] == {"original": 6}  # one shared function module, 2 calls per forward
+    with kp.record_calls() as calls, kp.kernel_policy(RMSNorm="disable"):
+        llama(IDS)
+    assert calls.by_layer()["RMSNorm"] == {"original": 5}
+    reasons = {reason for (_, layer, _, reason), _ in calls.items() if layer == "SiLU"}
+    assert reasons == {"no kernel bound"}
