@@ -57,6 +57,7 @@ def __getattr__(name: str) -> Any:
 def __dir__() -> list[str]:
     return sorted([*globals(), *_LAZY])
 
+
 __all__ = [
     "ENV_VAR",
     "MODES",

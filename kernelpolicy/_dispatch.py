@@ -206,6 +206,7 @@ class Binding:
     def verify(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Run the original (on cloned inputs) and the kernel; compare; return the kernel's output."""
         from ._verify import clone_tensors, compare
+
         policy = DEFAULTS.policy._current
         kernel = self.kernel
         assert kernel is not None
