@@ -1,0 +1,1 @@
+"""Examples built on kernelpolicy (not part of the installed package)."""

@@ -1,0 +1,517 @@
+"""Load test of the example server: per-request policies under concurrency, and what they cost.
+
+``python -m examples.kernelpolicy_server.loadtest [--requests 200] [--concurrency 32] [--json PATH]``
+
+It starts the real server (``python -m examples.kernelpolicy_server``) in a
+subprocess on a free 127.0.0.1 port, waits for ``/healthz`` and runs two
+phases of the same number of requests from one async httpx client:
+
+- **mixed**: every request carries its own policy (no header, ``disable``,
+  ``prefer,RMSNorm=disable``, ``RMSNorm=require``, ``disable,RMSNorm=require``,
+  ``require``, and malformed headers). Each response is checked against its
+  own policy: the policy string the worker thread saw, the tokens
+  (``max_new_tokens`` of them, identical across policies for one prompt:
+  the kernel is bit-exact), and the calls per kernel layer and path (5
+  RMSNorm calls per forward on the kernel or the original path as the
+  policy says, SiLU and rotary embeddings original only, one forward per new
+  token). ``require`` must fail with 422 (SiLU and the rotary embedding have
+  no kernel), malformed headers with 400 and the parser's message. Any
+  response that does not match is a *leak*.
+- **prefer**: the same requests without a header (the default policy).
+
+It prints a Markdown summary (throughput of both phases, their ratio,
+latency percentiles, the checks), optionally writes JSON, stops the server
+and exits 1 if a check failed. Loopback only; bounded in count and time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime as dt
+import json
+import os
+import platform
+import random
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import IO, Any
+
+import httpx
+
+from kernelpolicy import Policy, PolicyError
+
+__all__ = ["CASES", "Case", "main", "run_loadtest"]
+
+ROOT = Path(__file__).resolve().parents[2]
+HEADER = "X-Kernel-Policy"
+HOST = "127.0.0.1"
+RMSNORMS_PER_FORWARD = 5  # 2 decoder layers x 2 norms + the final norm
+ORIGINAL_ONLY = {"SiLU": 2, "rotary_pos_emb": 2}  # no kernel mapped; calls per forward
+MALFORMED_MESSAGE = "valid modes are 'prefer', 'disable', 'require', 'verify'"
+
+
+@dataclass(frozen=True)
+class Case:
+    """One kind of request and what its response must be."""
+
+    header: str | None
+    status: int
+    policy: str | None = None  # str(policy) the worker must report (200 only)
+    rmsnorm: str | None = None  # the path every RMSNorm call must take (200 only)
+
+    @property
+    def name(self) -> str:
+        return "(no header)" if self.header is None else self.header
+
+
+PREFER = Case(None, 200, "prefer", "kernel")
+DISABLE = Case("disable", 200, "disable", "original")
+CASES: tuple[Case, ...] = (
+    PREFER,
+    DISABLE,
+    Case("prefer,RMSNorm=disable", 200, "prefer,RMSNorm=disable", "original"),
+    Case("RMSNorm=require", 200, "prefer,RMSNorm=require", "kernel"),
+    Case("disable,RMSNorm=require", 200, "disable,RMSNorm=require", "kernel"),
+    Case("require", 422),  # SiLU and rotary_pos_emb have no kernel: KernelUnavailableError
+    Case("RMSNorm=fast", 400),
+    Case("disable,SiLU=fast", 400),
+)
+
+
+@dataclass
+class Result:
+    case: Case
+    prompt: int
+    status: int | None  # None: transport error or timeout
+    body: Any
+    latency_s: float
+    done_at: float
+
+
+def _prompts(count: int = 4, length: int = 8) -> list[list[int]]:
+    rng = random.Random(0)
+    return [[rng.randrange(256) for _ in range(length)] for _ in range(count)]
+
+
+def _plan(requests: int, cases: tuple[Case, ...], prompts: int) -> list[tuple[Case, int]]:
+    """``requests`` (case, prompt index) pairs: every case meets every prompt, in a fixed shuffled order."""
+    plan = [(cases[i % len(cases)], (i // len(cases)) % prompts) for i in range(requests)]
+    random.Random(1).shuffle(plan)
+    return plan
+
+
+def expected_calls(case: Case, steps: int) -> dict[str, dict[str, int]]:
+    """The ``calls`` of a 200 response to ``case`` generating ``steps`` tokens (one forward each)."""
+    assert case.rmsnorm is not None
+    calls = {"RMSNorm": {case.rmsnorm: RMSNORMS_PER_FORWARD * steps}}
+    calls.update({layer: {"original": per * steps} for layer, per in ORIGINAL_ONLY.items()})
+    return calls
+
+
+def parser_message(header: str) -> str:
+    """What the server must answer for a malformed header: the parser's own message."""
+    try:
+        Policy.parse(header, source=f"header {HEADER}")
+    except PolicyError as exc:
+        return str(exc)
+    raise AssertionError(f"{header!r} is not malformed")
+
+
+def check(result: Result, steps: int) -> str | None:
+    """Why ``result`` does not match its case's policy, or None."""
+    case, body = result.case, result.body
+    if result.status != case.status:
+        return f"status {result.status}, expected {case.status}: {str(body)[:200]}"
+    if not isinstance(body, dict):
+        return f"body is not a JSON object: {str(body)[:200]}"
+    if case.status == 400:
+        assert case.header is not None
+        if body.get("error") != parser_message(case.header):
+            return f"400 without the parser's message: {body!r}"
+        return None
+    if case.status == 422:
+        error, calls = str(body.get("error", "")), body.get("calls")
+        if "kernel required but unavailable" not in error or "no kernel bound" not in error:
+            return f"422 without the KernelUnavailableError message: {body!r}"
+        if body.get("policy") != "require" or not isinstance(calls, dict):
+            return f"422 with wrong policy or calls: {body!r}"
+        paths = {path for per_layer in calls.values() for path in per_layer}
+        if "original" in paths or sum(p.get("error", 0) for p in calls.values()) != 1:
+            return f"require ran an original forward or failed more than once: {calls!r}"
+        return None
+    if body.get("policy") != case.policy:
+        return f"worker saw policy {body.get('policy')!r}, expected {case.policy!r}"
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or len(tokens) != steps:
+        return f"expected {steps} tokens, got {tokens!r}"
+    if body.get("calls") != expected_calls(case, steps):
+        return f"calls {body.get('calls')!r}, expected {expected_calls(case, steps)!r}"
+    return None
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((HOST, 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class Server:
+    process: subprocess.Popen[bytes]
+    port: int
+    log: IO[bytes]
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    def log_tail(self, chars: int = 3000) -> str:
+        self.log.flush()
+        return Path(self.log.name).read_text(errors="replace")[-chars:]
+
+
+async def _wait_healthy(server: Server, deadline: float) -> bool:
+    """True once /healthz answers 200; False if the process exits first."""
+    async with httpx.AsyncClient(base_url=server.url, timeout=2.0) as client:
+        while time.monotonic() < deadline:
+            if server.process.poll() is not None:
+                return False
+            with contextlib.suppress(httpx.HTTPError):
+                if (await client.get("/healthz")).status_code == 200:
+                    return True
+            await asyncio.sleep(0.2)
+    raise RuntimeError(f"server not healthy within the start-up timeout:\n{server.log_tail()}")
+
+
+async def start_server(workers: int, log: IO[bytes], deadline: float, started: list[Server]) -> Server:
+    """The example server in a subprocess on a free loopback port (a few tries if a port is taken).
+
+    Every process started is appended to ``started``: the caller stops them, whatever happens here.
+    """
+    env = {k: v for k, v in os.environ.items() if k != "KERNELPOLICY"}  # the default policy is prefer
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    for _ in range(3):
+        port = _free_port()
+        command = [sys.executable, "-m", "examples.kernelpolicy_server", "--port", str(port)]
+        command += ["--workers", str(workers), "--no-access-log", "--log-level", "info"]
+        process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        started.append(Server(process, port, log))
+        if await _wait_healthy(started[-1], deadline):
+            return started[-1]
+    raise RuntimeError(f"the server exited during start-up:\n{started[-1].log_tail()}")
+
+
+def stop_server(server: Server) -> int:
+    """SIGTERM (uvicorn shuts down gracefully, then re-raises it), SIGKILL after 15 s; the exit code."""
+    if server.process.poll() is not None:
+        return server.process.returncode
+    server.process.terminate()
+    try:
+        return server.process.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        server.process.kill()
+        return server.process.wait()
+
+
+async def _send(
+    client: httpx.AsyncClient, case: Case, prompt: int, ids: list[int], steps: int, gate: asyncio.Semaphore
+) -> Result:
+    headers = {} if case.header is None else {HEADER: case.header}
+    async with gate:
+        start = time.perf_counter()
+        try:
+            response = await client.post("/generate", json={"input_ids": ids, "max_new_tokens": steps}, headers=headers)
+            status: int | None = response.status_code
+            try:
+                body: Any = response.json()
+            except ValueError:
+                body = response.text
+        except httpx.HTTPError as exc:
+            status, body = None, f"{type(exc).__name__}: {exc}"
+        end = time.perf_counter()
+    return Result(case, prompt, status, body, end - start, end)
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    """Linear interpolation between closest ranks (numpy's default)."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def _ms(value: float | None) -> float | None:
+    return None if value is None else round(value * 1000, 2)
+
+
+async def _phase(
+    client: httpx.AsyncClient, plan: list[tuple[Case, int]], prompts: list[list[int]], steps: int, concurrency: int
+) -> tuple[list[Result], dict[str, Any]]:
+    gate = asyncio.Semaphore(concurrency)
+    start = time.perf_counter()
+    results = await asyncio.gather(*(_send(client, c, p, prompts[p], steps, gate) for c, p in plan))
+    wall = time.perf_counter() - start
+    ok = [r.latency_s for r in results if r.status == 200]
+    statuses: dict[str, int] = {}
+    for r in results:
+        key = "error" if r.status is None else str(r.status)
+        statuses[key] = statuses.get(key, 0) + 1
+    stats = {
+        "requests": len(results),
+        "status_counts": dict(sorted(statuses.items())),
+        "wall_s": round(wall, 4),
+        "requests_per_s": round(len(results) / wall, 2),
+        "generations_per_s": round(len(ok) / wall, 2),
+        "latency_ms_200": {
+            "p50": _ms(_percentile(ok, 0.5)),
+            "p99": _ms(_percentile(ok, 0.99)),
+            "max": _ms(max(ok, default=None)),
+        },
+    }
+    return list(results), stats
+
+
+async def _probe_after_malformed(client: httpx.AsyncClient, prompt: list[int], steps: int) -> bool:
+    """One malformed request, then a valid one and /healthz, in sequence: the server must still serve."""
+    bad = await client.post("/generate", json={"input_ids": prompt, "max_new_tokens": steps}, headers={HEADER: "fast"})
+    good = await client.post(
+        "/generate", json={"input_ids": prompt, "max_new_tokens": steps}, headers={HEADER: "disable"}
+    )
+    health = await client.get("/healthz")
+    good_ok = good.status_code == 200 and check(Result(DISABLE, 0, 200, good.json(), 0, 0), steps) is None
+    return bad.status_code == 400 and good_ok and health.status_code == 200
+
+
+def _versions() -> dict[str, str]:
+    versions = {"python": platform.python_version()}
+    for name in ("torch", "transformers", "kernels", "starlette", "uvicorn", "httpx"):
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = "?"
+    return versions
+
+
+async def _run(
+    requests: int, concurrency: int, steps: int, workers: int, timeout: float, log: IO[bytes]
+) -> dict[str, Any]:
+    prompts = _prompts()
+    mixed_plan = _plan(requests, CASES, len(prompts))
+    prefer_plan = [(PREFER, prompt) for _, prompt in mixed_plan]
+    started: list[Server] = []
+    try:
+        server = await start_server(workers, log, time.monotonic() + min(timeout, 180.0), started)
+        limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+        async with httpx.AsyncClient(base_url=server.url, timeout=60.0, limits=limits) as client:
+            # Warm-up, not measured: every case once, and the connection pool.
+            await _phase(client, _plan(max(len(CASES), concurrency), CASES, len(prompts)), prompts, steps, concurrency)
+            mixed, mixed_stats = await _phase(client, mixed_plan, prompts, steps, concurrency)
+            served_after = await _probe_after_malformed(client, prompts[0], steps)
+            prefer, prefer_stats = await _phase(client, prefer_plan, prompts, steps, concurrency)
+    finally:
+        exit_code = [stop_server(s) for s in started][-1] if started else None
+        log_text = started[-1].log_tail(1_000_000) if started else ""
+
+    everything = mixed + prefer
+    leaks = [(r, why) for r in everything if r.status is not None and (why := check(r, steps)) is not None]
+    transport = [r for r in everything if r.status is None]
+    malformed = [r for r in mixed if r.case.status == 400]
+    required = [r for r in mixed if r.case.status == 422]
+    tokens: dict[int, set[tuple[int, ...]]] = {}
+    for r in everything:
+        if r.status == 200 and isinstance(r.body, dict) and isinstance(r.body.get("tokens"), list):
+            tokens.setdefault(r.prompt, set()).add(tuple(r.body["tokens"]))
+    per_case = []
+    for case in CASES:
+        rows = [r for r in mixed if r.case == case]
+        latencies = [r.latency_s for r in rows]
+        per_case.append(
+            {
+                "header": case.header,
+                "expected_status": case.status,
+                "sent": len(rows),
+                "matched": sum(1 for r in rows if r.status is not None and check(r, steps) is None),
+                "p50_ms": _ms(_percentile(latencies, 0.5)),
+            }
+        )
+    first_400 = min((r.done_at for r in malformed if r.status == 400), default=None)
+    ok_after_400 = sum(1 for r in mixed if r.status == 200 and first_400 is not None and r.done_at > first_400)
+
+    def ratio(key: str) -> float | None:
+        base = prefer_stats[key]
+        return round(mixed_stats[key] / base, 3) if base else None
+
+    return {
+        "meta": {
+            "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "cpus": os.cpu_count(),
+            "requests": requests,
+            "concurrency": concurrency,
+            "max_new_tokens": steps,
+            "workers": workers,
+            "versions": _versions(),
+        },
+        "phases": {"mixed": mixed_stats, "prefer": prefer_stats},
+        "ratio_mixed_to_prefer": {
+            "generations_per_s": ratio("generations_per_s"),
+            "requests_per_s": ratio("requests_per_s"),
+        },
+        "checks": {
+            "leaks": len(leaks),
+            "leak_examples": [f"{r.case.name}: {why}" for r, why in leaks[:10]],
+            "transport_errors": len(transport),
+            "transport_error_examples": [str(r.body) for r in transport[:5]],
+            "responses_checked": len(everything) - len(transport),
+            "malformed_sent": len(malformed),
+            "malformed_400_with_parser_message": sum(1 for r in malformed if check(r, steps) is None),
+            "require_sent": len(required),
+            "require_422": sum(1 for r in required if check(r, steps) is None),
+            "generated_200_after_first_400": ok_after_400,
+            "served_after_malformed": served_after and ok_after_400 > 0,
+            "tokens_identical_across_policies": bool(tokens) and all(len(seen) == 1 for seen in tokens.values()),
+            "prompts": len(tokens),
+            "server_exit_code": exit_code,
+            # uvicorn ends on the SIGTERM it re-raises after a graceful shutdown (exit code -15)
+            "server_shutdown_clean": exit_code in (0, -signal.SIGTERM)
+            and "Application shutdown complete" in log_text
+            and "Traceback" not in log_text,
+        },
+        "cases": per_case,
+    }
+
+
+def passed(results: dict[str, Any]) -> bool:
+    """Whether every check of a run passed (timings are never checked)."""
+    c = results["checks"]
+    return bool(
+        c["leaks"] == 0
+        and c["transport_errors"] == 0
+        and c["malformed_400_with_parser_message"] == c["malformed_sent"]
+        and c["require_422"] == c["require_sent"]
+        and c["served_after_malformed"]
+        and c["tokens_identical_across_policies"]
+        and c["server_shutdown_clean"]
+    )
+
+
+def run_loadtest(
+    requests: int = 200,
+    concurrency: int = 32,
+    *,
+    max_new_tokens: int = 4,
+    workers: int = 4,
+    timeout: float = 600.0,
+    command: str | None = None,
+) -> dict[str, Any]:
+    """Run both phases against a fresh server subprocess; the results (see :func:`markdown`)."""
+    if requests < len(CASES) or concurrency < 1 or not 1 <= max_new_tokens <= 32:
+        raise ValueError(f"need requests >= {len(CASES)}, concurrency >= 1 and 1 <= max_new_tokens <= 32")
+    with tempfile.NamedTemporaryFile(prefix="kernelpolicy-server-", suffix=".log") as log:
+        try:
+            results = asyncio.run(
+                asyncio.wait_for(_run(requests, concurrency, max_new_tokens, workers, timeout, log), timeout)
+            )
+        except (TimeoutError, asyncio.TimeoutError) as exc:  # distinct classes on Python 3.10
+            raise TimeoutError(f"load test exceeded {timeout} s") from exc
+    results["meta"]["command"] = command or f"run_loadtest(requests={requests}, concurrency={concurrency})"
+    results["passed"] = passed(results)
+    return results
+
+
+def markdown(results: dict[str, Any]) -> str:
+    """A Markdown summary of :func:`run_loadtest`'s results."""
+    meta, checks, phases = results["meta"], results["checks"], results["phases"]
+    v = meta["versions"]
+    lines = [
+        f"### kernelpolicy server load test, {meta['date']}",
+        "",
+        f"`{meta['command']}`: {meta['requests']} requests per phase, concurrency {meta['concurrency']}, "
+        f"{meta['max_new_tokens']} new tokens each, {meta['workers']} worker threads (torch 1 thread each), "
+        f"{meta['cpus']} CPUs. Python {v['python']}, torch {v['torch']}, transformers {v['transformers']}, "
+        f"kernels {v['kernels']}, starlette {v['starlette']}, uvicorn {v['uvicorn']}, httpx {v['httpx']}.",
+        "",
+        "| phase | requests | statuses | wall s | requests/s | generations/s | p50 ms (200) | p99 ms (200) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, p in phases.items():
+        statuses = ", ".join(f"{k}: {n}" for k, n in p["status_counts"].items())
+        lat = p["latency_ms_200"]
+        lines.append(
+            f"| {name} | {p['requests']} | {statuses} | {p['wall_s']:.2f} | {p['requests_per_s']:.1f} | "
+            f"{p['generations_per_s']:.1f} | {lat['p50']} | {lat['p99']} |"
+        )
+    ratio = results["ratio_mixed_to_prefer"]
+    lines += [
+        "",
+        f"Mixed / prefer throughput: **{ratio['generations_per_s']}** in generations/s (200 responses), "
+        f"{ratio['requests_per_s']} in requests/s (the mixed phase also answers cheap 400s and early 422s).",
+        "",
+        "| check | result |",
+        "| --- | --- |",
+        f"| leaks (responses not matching their own policy) | **{checks['leaks']}** of {checks['responses_checked']} |",
+        f"| transport errors | {checks['transport_errors']} |",
+        f"| malformed headers answered 400 with the parser's message | "
+        f"{checks['malformed_400_with_parser_message']} / {checks['malformed_sent']} |",
+        f"| `require` answered 422 (SiLU, rotary embedding: no kernel) | {checks['require_422']} / {checks['require_sent']} |",
+        f"| served after malformed headers | {'yes' if checks['served_after_malformed'] else 'NO'} "
+        f"({checks['generated_200_after_first_400']} generations after the first 400) |",
+        f"| tokens identical across policies | {'yes' if checks['tokens_identical_across_policies'] else 'NO'} "
+        f"({checks['prompts']} prompts) |",
+        f"| server shut down cleanly | {'yes' if checks['server_shutdown_clean'] else 'NO'} "
+        f"(exit code {checks['server_exit_code']}) |",
+        "",
+        "| mixed phase: header | expected | sent | matched | p50 ms |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for case in results["cases"]:
+        header = "(none)" if case["header"] is None else f"`{case['header']}`"
+        lines.append(
+            f"| {header} | {case['expected_status']} | {case['sent']} | {case['matched']} | {case['p50_ms']} |"
+        )
+    for example in checks["leak_examples"]:
+        lines.append(f"\nleak: {example}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m examples.kernelpolicy_server.loadtest", description=__doc__)
+    parser.add_argument("--requests", type=int, default=200, help="requests per phase (default 200)")
+    parser.add_argument("--concurrency", type=int, default=32, help="requests in flight at once (default 32)")
+    parser.add_argument("--max-new-tokens", type=int, default=4, help="tokens per request (default 4)")
+    parser.add_argument("--workers", type=int, default=4, help="server worker threads (default 4)")
+    parser.add_argument("--timeout", type=float, default=600.0, help="overall limit in seconds (default 600)")
+    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    args = parser.parse_args(argv)
+    command = shlex.join(
+        ["python", "-m", "examples.kernelpolicy_server.loadtest", *(sys.argv[1:] if argv is None else argv)]
+    )
+    results = run_loadtest(
+        args.requests,
+        args.concurrency,
+        max_new_tokens=args.max_new_tokens,
+        workers=args.workers,
+        timeout=args.timeout,
+        command=command,
+    )
+    print(markdown(results))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+    return 0 if results["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,158 @@
+"""The example server (examples/kernelpolicy_server): per-request policies over HTTP, and its load test.
+
+Unit-level tests run the ASGI app in process (Starlette's TestClient, lifespan included); the load test
+starts the real server in a subprocess and checks every response against its own policy. Timings are
+reported, never asserted.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+pytest.importorskip("httpx")
+pytest.importorskip("transformers")
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # plain `pytest` (importlib mode) does not put the rootdir on sys.path
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+from starlette.testclient import TestClient  # noqa: E402
+
+from examples.kernelpolicy_server import HEADER, MAX_NEW_TOKENS, create_app  # noqa: E402
+from examples.kernelpolicy_server.loadtest import CASES, main, parser_message  # noqa: E402
+from kernelpolicy import MODES  # noqa: E402
+
+PROMPT = [5, 17, 99, 3, 250, 0, 42, 8]
+STEPS = 3
+VALID_MODES = ", ".join(repr(m) for m in MODES)
+
+
+@pytest.fixture(scope="module")
+def client() -> Any:
+    threads = torch.get_num_threads()  # the app's lifespan sets 1 for the whole process
+    try:
+        with TestClient(create_app(workers=2)) as test_client:
+            yield test_client
+    finally:
+        torch.set_num_threads(threads)
+
+
+def generate(client: TestClient, header: str | None = None, **body: Any) -> Any:
+    payload = {"input_ids": PROMPT, "max_new_tokens": STEPS, **body}
+    return client.post("/generate", json=payload, headers={} if header is None else {HEADER: header})
+
+
+def test_healthz(client: TestClient) -> None:
+    response = client.get("/healthz")
+    assert response.status_code == 200
+    assert response.json() == {"status": "ok", "default_policy": "prefer"}
+
+
+def test_generate_follows_the_header(client: TestClient) -> None:
+    plain = generate(client)
+    assert plain.status_code == 200, plain.text
+    body = plain.json()
+    assert body["policy"] == "prefer"
+    assert len(body["tokens"]) == STEPS
+    assert body["calls"] == {
+        "RMSNorm": {"kernel": 5 * STEPS},
+        "SiLU": {"original": 2 * STEPS},
+        "rotary_pos_emb": {"original": 2 * STEPS},
+    }
+    disabled = generate(client, "prefer,RMSNorm=disable").json()
+    assert disabled["policy"] == "prefer,RMSNorm=disable"
+    assert disabled["calls"]["RMSNorm"] == {"original": 5 * STEPS}
+    assert disabled["tokens"] == body["tokens"]  # the kernel is bit-exact
+
+
+@pytest.mark.parametrize("header", ["RMSNorm=fast", "fast", "disable,SiLU=fast"])
+def test_malformed_header_is_400_with_the_parser_message(client: TestClient, header: str) -> None:
+    response = generate(client, header)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error == parser_message(header)
+    assert error.startswith(f"header {HEADER}=") and "'fast'" in error and VALID_MODES in error
+    assert generate(client, "disable").status_code == 200  # and the server keeps serving
+
+
+def test_require_without_kernels_everywhere_is_422(client: TestClient) -> None:
+    response = generate(client, "require")
+    assert response.status_code == 422
+    body = response.json()
+    assert "kernel required but unavailable" in body["error"] and "no kernel bound" in body["error"]
+    assert body["policy"] == "require"
+    assert all("original" not in paths for paths in body["calls"].values())
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b'{"input_ids": [1, 2', "Expecting"),
+        (b"\xff\xfe", "bad request body"),
+        (b"[1, 2, 3]", "JSON object"),
+        (b"{}", "input_ids must be a list"),
+        (b'{"input_ids": []}', "input_ids must be a list"),
+        (b'{"input_ids": [1, 256]}', "integers in [0, 256)"),
+        (b'{"input_ids": [1, true]}', "integers in [0, 256)"),
+        (b'{"input_ids": [1.5]}', "integers in [0, 256)"),
+        (b'{"input_ids": [1], "max_new_tokens": 0}', "max_new_tokens"),
+        (f'{{"input_ids": [1], "max_new_tokens": {MAX_NEW_TOKENS + 1}}}'.encode(), "max_new_tokens"),
+        (b'{"input_ids": [1], "max_new_tokens": "4"}', "max_new_tokens"),
+        (b'{"input_ids": [1], "temperature": 0.5}', "unknown fields ['temperature']"),
+    ],
+)
+def test_bad_body_is_400(client: TestClient, content: bytes, message: str) -> None:
+    response = client.post("/generate", content=content, headers={"content-type": "application/json"})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error.startswith("bad request body: ") and message in error
+
+
+def finite_positive(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
+def test_load_test_mixed_policies_no_leaks(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "loadtest.json"
+    rc = main(["--requests", "40", "--concurrency", "8", "--timeout", "240", "--json", str(out)])
+    printed = capsys.readouterr().out
+    results = json.loads(out.read_text())
+    checks = results["checks"]
+    assert rc == 0 and results["passed"], printed
+    assert checks["leaks"] == 0 and not checks["leak_examples"]
+    assert checks["transport_errors"] == 0
+    assert checks["responses_checked"] == 80
+    malformed = [c for c in CASES if c.status == 400]
+    assert malformed and checks["malformed_sent"] == sum(
+        c["sent"] for c in results["cases"] if c["expected_status"] == 400
+    )
+    assert checks["malformed_400_with_parser_message"] == checks["malformed_sent"] > 0
+    for case in malformed:  # what "the parser's message" is: the bad token and the valid modes
+        assert case.header is not None
+        message = parser_message(case.header)
+        assert "'fast'" in message and VALID_MODES in message
+    assert checks["require_422"] == checks["require_sent"] > 0
+    assert checks["served_after_malformed"] and checks["generated_200_after_first_400"] > 0
+    assert checks["tokens_identical_across_policies"]
+    assert checks["server_shutdown_clean"]
+    assert all(case["matched"] == case["sent"] > 0 for case in results["cases"])
+
+    for name in ("mixed", "prefer"):
+        phase = results["phases"][name]
+        assert phase["requests"] == 40
+        for key in ("wall_s", "requests_per_s", "generations_per_s"):
+            assert finite_positive(phase[key]), (name, key)
+        assert finite_positive(phase["latency_ms_200"]["p50"]) and finite_positive(phase["latency_ms_200"]["p99"])
+    assert results["phases"]["prefer"]["status_counts"] == {"200": 40}
+    ratio = results["ratio_mixed_to_prefer"]
+    assert finite_positive(ratio["generations_per_s"]) and finite_positive(ratio["requests_per_s"])
+    assert "**0** of 80" in printed and "Mixed / prefer throughput" in printed
