@@ -14,7 +14,7 @@ import kernelpolicy as kp
 from kernelpolicy import Policy, current_policy, kernel_policy
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Generator, Iterator
+    from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterator
 
 PREFER = Policy("prefer")
 DISABLED = Policy("disable")
@@ -215,6 +215,21 @@ def test_coroutine_return_value_and_exception() -> None:
     assert current_policy() is PREFER
 
 
+def _cancel_once_started(runner: Callable[[asyncio.Event], Awaitable[None]]) -> None:
+    """Run ``runner`` as a task, cancel it once it sets the event, check it re-raises and leaks nothing."""
+
+    async def main() -> None:
+        started = asyncio.Event()
+        task = asyncio.create_task(runner(started))
+        await started.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert current_policy() is PREFER
+
+    asyncio.run(main())
+
+
 def test_cancelled_task_inside_decorated_coroutine_restores_policy() -> None:
     seen_inside: list[Policy] = []
     after_cancel: list[Policy] = []
@@ -234,16 +249,7 @@ def test_cancelled_task_inside_decorated_coroutine_restores_policy() -> None:
                 assert current_policy() is outer
                 raise
 
-    async def main() -> None:
-        started = asyncio.Event()
-        task = asyncio.create_task(runner(started))
-        await started.wait()
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-        assert current_policy() is PREFER
-
-    asyncio.run(main())
+    _cancel_once_started(runner)
     assert seen_inside == [Policy("disable", RMSNorm="require")]
     assert after_cancel == [Policy("prefer", SiLU="require")]
 
@@ -671,16 +677,7 @@ def test_cancelled_task_inside_decorated_async_generator_restores_policy() -> No
                 assert current_policy() is outer
                 raise
 
-    async def main() -> None:
-        started = asyncio.Event()
-        task = asyncio.create_task(runner(started))
-        await started.wait()
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-        assert current_policy() is PREFER
-
-    asyncio.run(main())
+    _cancel_once_started(runner)
     assert cleanup == [DISABLED]
     assert after_cancel == [Policy("prefer", SiLU="require")]
 

@@ -28,7 +28,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 import kernelpolicy
-from kernelpolicy.testing import rms_norm_kernel_source, write_kernel_repo
+from kernelpolicy.testing import rms_norm_kernel_source, tiny_llama, write_kernel_repo
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
@@ -45,7 +45,7 @@ __all__ = [
 ]
 
 HEADER = "X-Kernel-Policy"
-VOCAB_SIZE = 256
+VOCAB_SIZE = 256  # tiny_llama's vocabulary
 MAX_NEW_TOKENS = 32
 MAX_INPUT_TOKENS = 256
 
@@ -57,20 +57,9 @@ def build_model(kernel_root: Path) -> Any:
     Llama's RMSNorm, so every policy yields the same tokens.
     """
     import kernels
-    import transformers
 
     repo = write_kernel_repo(kernel_root, rms_norm_kernel_source(), name="server-rmsnorm")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=VOCAB_SIZE,
-    )
-    model_class: Any = transformers.LlamaForCausalLM
-    model = model_class(config).eval()
+    model = tiny_llama(seed=0)
     # Greedy, and exactly max_new_tokens: no end-of-sequence token stops generation early.
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
