@@ -14,7 +14,8 @@ kernelpolicy makes that binding obey a policy read at every call, from a
 ...     layer(torch.ones(1))
 tensor([2.])
 
-Importing kernelpolicy does not import ``kernels`` or ``huggingface_hub``.
+Importing kernelpolicy does not import ``kernels`` or ``huggingface_hub``, nor ``torch``
+until a name that needs it (``attach``, ``kernelize``, ...) is first used.
 """
 
 from __future__ import annotations
@@ -22,21 +23,29 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from ._binding import attach, kernelize, replace_kernel_forward_from_hub, use_kernel_forward_from_hub
 from ._errors import KernelMismatchError, KernelUnavailableError, PolicyError, ScopeError
 from ._policy import ENV_VAR, MODES, Mode, Policy, current_policy
 from ._scope import kernel_policy, kernels_disabled, propagate, set_default_policy
-from ._state import ExecutionState, execution_state
 
 if TYPE_CHECKING:
     from ._accounting import CallCounts, record_calls
+    from ._binding import attach, kernelize, replace_kernel_forward_from_hub, use_kernel_forward_from_hub
     from ._explain import Explanation, LayerRow, explain
+    from ._state import ExecutionState, execution_state
 
 __version__ = "0.1.0"
 
-# Tools that no forward needs are imported on first use (import time matters:
-# see benchmarks, section "import").
+# What needs torch is imported on first use, so that policies and scopes (and
+# the pytest plugin, loaded in every pytest run where kernelpolicy is
+# installed) cost no torch import; tools no forward needs likewise (import
+# time: see benchmarks, section "import").
 _LAZY = {
+    "attach": "._binding",
+    "kernelize": "._binding",
+    "replace_kernel_forward_from_hub": "._binding",
+    "use_kernel_forward_from_hub": "._binding",
+    "ExecutionState": "._state",
+    "execution_state": "._state",
     "CallCounts": "._accounting",
     "record_calls": "._accounting",
     "Explanation": "._explain",

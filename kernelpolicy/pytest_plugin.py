@@ -36,8 +36,9 @@ Bad marker arguments make that test error at setup with the
 :class:`~kernelpolicy.PolicyError` message; a bad ``--kernel-policy`` or ini
 value is a usage error (exit code 4).
 
-Importing this module imports its package ``kernelpolicy`` (and so torch,
-which the package needs), never ``kernels``; it reads no option before
+Importing this module imports neither torch nor ``kernels`` (the package
+loads its torch-dependent parts on first use), so a pytest run that uses no
+marker or option pays nothing for it; it reads no option before
 ``pytest_configure``.
 """
 

@@ -336,14 +336,19 @@ def test_subprocess_malformed_env_fails_with_message() -> None:
         assert mode in result.stderr
 
 
-def test_subprocess_import_does_not_import_kernels_or_hub() -> None:
+def test_subprocess_import_does_not_import_kernels_or_hub_and_torch_only_when_needed() -> None:
+    # Policies and scopes need no torch (the pytest plugin is loaded in every
+    # pytest run); the layer machinery imports it on first use, never kernels.
     code = (
         "import sys, kernelpolicy\n"
+        "def loaded():\n"
+        "    return ','.join(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'kernels', 'huggingface_hub'}))\n"
         "kernelpolicy.current_policy()\n"
         "with kernelpolicy.kernels_disabled():\n"
         "    pass\n"
-        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('kernels', 'huggingface_hub'))\n"
-        "print('LOADED:' + ','.join(bad))\n"
+        "print('SCOPES:' + loaded())\n"
+        "kernelpolicy.use_kernel_forward_from_hub, kernelpolicy.execution_state()\n"
+        "print('LAYERS:' + loaded())\n"
     )
     result = subprocess.run(
         [sys.executable, "-c", code],
@@ -354,4 +359,13 @@ def test_subprocess_import_does_not_import_kernels_or_hub() -> None:
         check=False,
     )
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "LOADED:"
+    assert result.stdout.split() == ["SCOPES:", "LAYERS:torch"]
+
+
+def test_public_names_resolve_and_star_import() -> None:
+    namespace: dict[str, object] = {}
+    exec("from kernelpolicy import *", namespace)
+    assert set(kp.__all__) <= set(namespace)
+    assert set(kp.__all__) <= set(dir(kp))
+    with pytest.raises(AttributeError, match="has no attribute 'kernelise'"):
+        kp.kernelise  # noqa: B018
