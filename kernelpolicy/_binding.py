@@ -17,6 +17,9 @@ with the same name and module. That subclass:
 - overrides ``_slow_forward``, which ``nn.Module`` calls instead of
   ``forward`` while ``torch.jit.trace`` runs, so jit tracing is detected at
   no cost in eager mode;
+- overrides ``__call__`` with :func:`_aware_call`, ``nn.Module.__call__`` and
+  ``_call_impl`` folded into one frame (see there), unless the class defines
+  its own ``__call__``, ``_wrapped_call_impl`` or ``_call_impl``;
 - deep-copies with its kernel and pickles as the original class (the kernel,
   which lives in a dynamically loaded module, is dropped, as ``kernels``
   itself does; re-kernelize after loading).
@@ -37,6 +40,14 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 from torch import nn
+from torch.nn.modules import module as _torch_module
+from torch.nn.modules.module import (  # the names nn.Module._call_impl reads, for _aware_call
+    Module,
+    _global_backward_hooks,
+    _global_backward_pre_hooks,
+    _global_forward_hooks,
+    _global_forward_pre_hooks,
+)
 
 from ._dispatch import Binding, make_forward
 from ._policy import DEFAULTS, ensure_env
@@ -267,8 +278,67 @@ def _make_class_aware(cls: type[nn.Module]) -> None:
     cls.__init__ = __init__  # type: ignore[method-assign]
 
 
+_CALL_NAMES = ("__call__", "_wrapped_call_impl", "_call_impl")
+
+
+def _aware_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """``module(...)`` for a policy-aware module: ``nn.Module.__call__`` in one frame.
+
+    ``nn.Module.__call__`` (``_wrapped_call_impl``) calls ``_call_impl``,
+    which calls ``forward``: with kernelpolicy's dispatching ``forward`` that
+    is one Python frame more than ``kernels``' direct binding. This is the
+    fast path of those two frames (torch 2.13, ``nn.Module._call_impl``):
+    with no compiled call (``module.compile()``), no jit tracer and no module
+    or global hook, call ``forward``. In every other case, and whenever
+    something has patched ``nn.Module.__call__`` (``torch.fx`` tracing does),
+    it calls ``nn.Module.__call__`` itself, so hooks, ``_slow_forward`` and
+    patchers run exactly as without it.
+
+    The function runs with the globals of ``torch.nn.modules.module`` (see
+    below), so TorchDynamo reads the global hook dicts, ``Module`` and
+    ``torch`` from the same source as in ``nn.Module._call_impl``: no
+    aliasing guards between the two.
+    """
+    if (
+        self._compiled_call_impl is not None
+        or torch._C._get_tracing_state()
+        or self._backward_hooks
+        or self._backward_pre_hooks
+        or self._forward_hooks
+        or self._forward_pre_hooks
+        or _global_backward_pre_hooks
+        or _global_backward_hooks
+        or _global_forward_hooks
+        or _global_forward_pre_hooks
+        or Module.__call__ is not Module._wrapped_call_impl
+    ):
+        return Module.__call__(self, *args, **kwargs)
+    return self.forward(*args, **kwargs)
+
+
+def _with_torch_globals(function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function`` rebuilt over the globals of ``torch.nn.modules.module``, which define all it reads."""
+    namespace = vars(_torch_module)
+    for name in function.__code__.co_names:
+        if name in function.__globals__ and namespace.get(name) is not function.__globals__[name]:
+            raise RuntimeError(f"torch.nn.modules.module.{name} is not what kernelpolicy expects")  # pragma: no cover
+    rebuilt = types.FunctionType(function.__code__, namespace, function.__name__)
+    rebuilt.__qualname__ = function.__qualname__
+    rebuilt.__module__ = function.__module__
+    rebuilt.__doc__ = function.__doc__
+    return rebuilt
+
+
+_aware_call = _with_torch_globals(_aware_call)
+
+
+def _plain_call(cls: type[nn.Module]) -> bool:
+    """Whether ``cls`` calls like ``nn.Module`` (no ``__call__`` or ``_call_impl`` of its own)."""
+    return all(getattr(cls, name, None) is getattr(Module, name) for name in _CALL_NAMES)
+
+
 def _aware_members(cls: type[nn.Module]) -> dict[str, Any]:
-    """``__setattr__``, ``__delattr__``, ``_slow_forward`` and copy support for an aware class."""
+    """``__setattr__``, ``__delattr__``, ``_slow_forward``, ``__call__`` and copy support for an aware class."""
     parent_setattr = cls.__setattr__
     parent_delattr = cls.__delattr__
     parent_slow_forward: Callable[..., Any] = cls._slow_forward
@@ -317,7 +387,7 @@ def _aware_members(cls: type[nn.Module]) -> dict[str, Any]:
         _make_aware(new, _path(self))
         return new
 
-    return {
+    members: dict[str, Any] = {
         "_kernelpolicy_aware": True,
         "__setattr__": __setattr__,
         "__delattr__": __delattr__,
@@ -325,6 +395,9 @@ def _aware_members(cls: type[nn.Module]) -> dict[str, Any]:
         "__reduce_ex__": __reduce_ex__,
         "__deepcopy__": __deepcopy__,
     }
+    if _plain_call(cls):
+        members["__call__"] = _aware_call
+    return members
 
 
 def _original_class(module: nn.Module) -> type[nn.Module]:

@@ -1,13 +1,16 @@
-"""``module(...)`` on policy-aware layers: everything ``nn.Module.__call__`` does still happens.
+"""``module(...)`` on policy-aware layers: the one-frame ``__call__`` and everything ``nn.Module.__call__`` does.
 
-Hooks of every kind (module and global), ``forward`` called directly,
-``module.compile()``, patched ``nn.Module.__call__`` (torch.fx), classes
-with their own ``__call__``, compiled models with hooks.
+Policy-aware classes override ``__call__`` (``_binding._aware_call``): with
+no hook, tracer, compiled call or patched ``nn.Module.__call__`` it calls
+``forward`` directly; otherwise it calls ``nn.Module.__call__``. These tests
+pin that each of those cases behaves as with torch's own ``__call__``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
+import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -18,7 +21,7 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 import kernelpolicy as kp
-from kernelpolicy._binding import binding_of
+from kernelpolicy._binding import _aware_call, binding_of
 from kernelpolicy._demo import DemoModel
 from kernelpolicy.testing import kernel_calls
 
@@ -57,7 +60,25 @@ def calls_of(model: nn.Module, fn: Callable[[], Any]) -> tuple[int, Any]:
     return kernel_calls(model) - before, out
 
 
-# --- classes with their own __call__ ----------------------------------------------------------------
+# --- which classes get the one-frame __call__ ---------------------------------------------------
+
+
+def test_aware_classes_call_in_one_frame(kernelized: Callable[..., DemoModel]) -> None:
+    model = kernelized("exact")
+    assert type(model.norm).__call__ is _aware_call
+    assert type(model).__call__ is nn.Module.__call__  # only policy-aware classes change
+    assert type(model.norm)._call_impl is nn.Module._call_impl  # model.compile() compiles torch's own
+
+
+def test_class_decorator_gets_it_too() -> None:
+    @kp.use_kernel_forward_from_hub("Decorated")
+    class Decorated(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + 1
+
+    assert Decorated.__call__ is _aware_call
+    layer = Decorated()
+    assert layer(torch.zeros(1)).item() == 1
 
 
 @pytest.mark.parametrize("name", ["__call__", "_call_impl", "_wrapped_call_impl"])
@@ -78,9 +99,40 @@ def test_a_class_with_its_own_call_keeps_it(name: str) -> None:
     layer = kp.attach(nn.Sequential(cls()))[0]
     assert binding_of(layer) is not None
     assert getattr(type(layer), name) is own
+    assert type(layer).__call__ is not _aware_call
     with kp.kernels_disabled():
         assert layer(torch.zeros(1)).item() == 1
     assert seen == expected
+
+
+def test_stack_depth_to_the_kernel_equals_kernels_direct_binding() -> None:
+    """The point of the override: module(x) reaches the kernel no deeper than kernels' own binding does."""
+    depths: list[int] = []
+
+    class Layer(nn.Module):
+        kernel_layer_name = "Depth"
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x
+
+    def kernel_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        frame, depth = sys._getframe(), 0
+        while frame.f_code is not probe.__code__:
+            frame, depth = frame.f_back, depth + 1  # type: ignore[assignment]
+        depths.append(depth)
+        return x
+
+    def probe(layer: nn.Module) -> None:
+        layer(X)
+
+    direct = Layer()
+    direct.forward = types.MethodType(kernel_forward, direct)  # type: ignore[method-assign]  # as kernels binds
+    aware = Layer()
+    aware.forward = types.MethodType(kernel_forward, aware)  # type: ignore[method-assign]
+    kp.attach(nn.Sequential(aware))
+    probe(direct)
+    probe(aware)
+    assert depths[1] <= depths[0], depths
 
 
 # --- forward() called directly -------------------------------------------------------------------
@@ -307,4 +359,19 @@ def test_module_compile_on_a_policy_aware_layer(
     torch.testing.assert_close(again, out)
     assert len(graphs) == 1
     assert seen == (["post"] * 3 if hooked else [])
+    assert graph_breaks() == 0
+
+
+def test_compiled_call_reads_torchs_own_globals(kernelized: Callable[..., DemoModel]) -> None:
+    """``_aware_call`` reads hook dicts from torch's module globals: no aliasing guards on kernelpolicy's."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    model = kernelized("traceable")
+    model.norm.register_forward_hook(lambda m, args, out: out)  # a hooked layer and unhooked ones
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    assert kernel_ran(compiled(X))
+    (entry,) = _debug_get_cache_entry_list(type(model).forward.__code__)
+    guards = str(entry.guard_manager)
+    assert "_aware_call" in guards  # traced through it
+    assert "kernelpolicy_dot__binding" not in guards
     assert graph_breaks() == 0
