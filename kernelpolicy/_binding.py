@@ -19,7 +19,9 @@ with the same name and module. That subclass:
   no cost in eager mode;
 - overrides ``__call__`` with :func:`_aware_call`, ``nn.Module.__call__`` and
   ``_call_impl`` folded into one frame (see there), unless the class defines
-  its own ``__call__``, ``_wrapped_call_impl`` or ``_call_impl``;
+  its own ``__call__``, ``_wrapped_call_impl`` or ``_call_impl``, or torch's
+  call path reads other names than the one it was checked against
+  (:data:`FAST_CALL`);
 - deep-copies with its kernel and pickles as the original class (the kernel,
   which lives in a dynamically loaded module, is dropped, as ``kernels``
   itself does; re-kernelize after loading).
@@ -36,7 +38,7 @@ import functools
 import inspect
 import sys
 import types
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Final, TypeVar, cast
 
 import torch
 from torch import nn
@@ -332,6 +334,31 @@ def _with_torch_globals(function: Callable[..., Any]) -> Callable[..., Any]:
 _aware_call = _with_torch_globals(_aware_call)
 
 
+# The names ``nn.Module._wrapped_call_impl`` and ``_call_impl`` read in the
+# torch versions whose fast path ``_aware_call`` reproduces (2.13). A torch
+# whose call path reads anything else (a new hook dict, say) gets no
+# ``__call__`` override: correct, one frame slower. ``python -m kernelpolicy
+# doctor`` reports which.
+_CHECKED_CALL_NAMES = frozenset(
+    {
+        "_C", "_backward_hooks", "_backward_pre_hooks", "_call_impl", "_compiled_call_impl", "_forward_hooks",
+        "_forward_hooks_always_called", "_forward_hooks_with_kwargs", "_forward_pre_hooks", "_get_tracing_state",
+        "_global_backward_hooks", "_global_backward_pre_hooks", "_global_forward_hooks",
+        "_global_forward_hooks_always_called", "_global_forward_pre_hooks", "_slow_forward", "compiler",
+        "Exception", "forward", "is_compiling", "items", "set", "str", "torch", "warn", "warnings",
+    }
+)  # fmt: skip
+
+
+def torch_call_names() -> frozenset[str]:
+    """The global and attribute names torch's ``nn.Module.__call__`` path reads."""
+    return frozenset(Module._wrapped_call_impl.__code__.co_names) | frozenset(Module._call_impl.__code__.co_names)
+
+
+#: Whether policy-aware classes get :func:`_aware_call` on this torch.
+FAST_CALL: Final = torch_call_names() == _CHECKED_CALL_NAMES
+
+
 def _plain_call(cls: type[nn.Module]) -> bool:
     """Whether ``cls`` calls like ``nn.Module`` (no ``__call__`` or ``_call_impl`` of its own)."""
     return all(getattr(cls, name, None) is getattr(Module, name) for name in _CALL_NAMES)
@@ -395,7 +422,7 @@ def _aware_members(cls: type[nn.Module]) -> dict[str, Any]:
         "__reduce_ex__": __reduce_ex__,
         "__deepcopy__": __deepcopy__,
     }
-    if _plain_call(cls):
+    if FAST_CALL and _plain_call(cls):
         members["__call__"] = _aware_call
     return members
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._binding import attach
+from ._binding import _CHECKED_CALL_NAMES, FAST_CALL, attach, torch_call_names
 from ._scope import kernel_policy, kernels_disabled
 
 __all__ = ["DoctorReport", "doctor"]
@@ -38,6 +38,7 @@ class DoctorReport:
     versions: dict[str, str]
     mechanism: str
     native_contextvar_get: bool
+    fast_call: str
     checks: tuple[tuple[str, bool, str], ...]
 
     @property
@@ -50,6 +51,7 @@ class DoctorReport:
         lines.append(f"  mechanism: {self.mechanism}")
         native = "yes" if self.native_contextvar_get else "no (not needed)"
         lines.append(f"  Dynamo traces ContextVar.get natively: {native}")
+        lines.append(f"  module(...) fast path: {self.fast_call}")
         for name, passed, detail in self.checks:
             lines.append(f"  [{'ok' if passed else 'FAIL'}] {name}: {detail}")
         lines.append("result: " + ("all checks passed" if self.ok else "SOME CHECKS FAILED"))
@@ -90,6 +92,16 @@ def _native_contextvar_get() -> bool:
     except Exception:  # noqa: BLE001 - any failure means "not supported"
         return False
     return True
+
+
+def _fast_call() -> str:
+    if FAST_CALL:
+        return "on (policy-aware classes fold nn.Module.__call__ and _call_impl into one frame)"
+    changed = sorted(torch_call_names() ^ _CHECKED_CALL_NAMES)
+    return (
+        f"off: this torch's nn.Module call path differs from the one checked in names {changed}; "
+        "module(...) goes through nn.Module.__call__ (correct, one Python frame slower)"
+    )
 
 
 def doctor() -> DoctorReport:
@@ -145,5 +157,9 @@ def doctor() -> DoctorReport:
     )
     torch._dynamo.reset()
     return DoctorReport(
-        versions=versions, mechanism=MECHANISM, native_contextvar_get=_native_contextvar_get(), checks=checks
+        versions=versions,
+        mechanism=MECHANISM,
+        native_contextvar_get=_native_contextvar_get(),
+        fast_call=_fast_call(),
+        checks=checks,
     )

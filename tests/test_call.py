@@ -21,8 +21,10 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 import kernelpolicy as kp
+from kernelpolicy import _binding
 from kernelpolicy._binding import _aware_call, binding_of
 from kernelpolicy._demo import DemoModel
+from kernelpolicy._doctor import _fast_call
 from kernelpolicy.testing import kernel_calls
 
 X = torch.randn(3, 16, generator=torch.Generator().manual_seed(5))
@@ -103,6 +105,31 @@ def test_a_class_with_its_own_call_keeps_it(name: str) -> None:
     with kp.kernels_disabled():
         assert layer(torch.zeros(1)).item() == 1
     assert seen == expected
+
+
+def test_torch_call_path_is_the_one_checked() -> None:
+    """Canary: a torch whose nn.Module call path reads other names turns the fast path off (see doctor)."""
+    assert _binding.torch_call_names() == _binding._CHECKED_CALL_NAMES
+    assert _binding.FAST_CALL
+    assert _fast_call().startswith("on ")
+
+
+def test_without_the_fast_path_classes_keep_torchs_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    # What a torch with another call path gets: nn.Module.__call__, same behaviour.
+    monkeypatch.setattr(_binding, "FAST_CALL", False)
+    hooked: list[str] = []
+
+    @kp.use_kernel_forward_from_hub("Unchecked")
+    class Unchecked(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + 1
+
+    assert Unchecked.__call__ is nn.Module.__call__
+    layer = Unchecked()
+    layer.register_forward_hook(lambda module, args, out: hooked.append("hook"))
+    with kp.kernel_policy("require", Unchecked="disable"):
+        assert layer(torch.zeros(1)).item() == 1
+    assert hooked == ["hook"]
 
 
 def test_stack_depth_to_the_kernel_equals_kernels_direct_binding() -> None:
