@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SECTIONS = ("eager_noop", "eager_rmsnorm", "llama", "compiled", "import", "scopes")
@@ -63,3 +66,42 @@ def test_quick_run_writes_every_section(tmp_path: Path) -> None:
     imported = data["sections"]["import"]["info"]
     assert isinstance(imported["kernels imported by import kernelpolicy"], bool)
     assert isinstance(imported["huggingface_hub imported by import kernelpolicy"], bool)
+
+
+@pytest.mark.skipif(
+    shutil.which("valgrind") is None or shutil.which("callgrind_control") is None, reason="needs valgrind"
+)
+def test_instruction_counts_are_deterministic_and_complete(tmp_path: Path) -> None:
+    """``python -m benchmarks.instructions`` on three variants, tiny counts (about a minute under valgrind).
+
+    Instruction counts are not timings: two identical modules must cost the
+    same, which checks the method (difference of two runs, harness subtracted).
+    """
+    out = tmp_path / "instructions.json"
+    done = subprocess.run(
+        [
+            *(sys.executable, "-m", "benchmarks.instructions", "--calls", "200", "--json", str(out)),
+            *("--variant", "noop (a"),  # direct binding and the A/A control; the rmsnorm baseline comes with:
+            *("--variant", "rmsnorm (b) kernelpolicy prefer, can_torch_compile=True"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    assert done.returncode == 0, f"stdout:\n{done.stdout[-4000:]}\nstderr:\n{done.stderr[-4000:]}"
+    results = json.loads(out.read_text())["results"]
+    noop = "noop (a) kernels direct binding"
+    control = "noop (a') kernels direct binding, second instance (A/A control)"
+    assert set(results) == {
+        "harness",
+        noop,
+        control,
+        "rmsnorm (a) kernels direct binding",
+        "rmsnorm (b) kernelpolicy prefer, can_torch_compile=True",
+    }
+    assert 0 < results["harness"]["raw"] < results[noop]["raw"] < results["rmsnorm (a) kernels direct binding"]["raw"]
+    assert results[noop]["ratio"] == 1
+    assert abs(results[control]["ratio"] - 1) < 0.02, results[control]
+    assert "| rmsnorm (b) kernelpolicy prefer, can_torch_compile=True |" in done.stdout
