@@ -205,16 +205,23 @@ class Binding:
 
     def verify(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Run the original (on cloned inputs) and the kernel; compare; return the kernel's output."""
-        from ._verify import clone_tensors, compare
+        from ._verify import BufferState, clone_tensors, compare
 
         policy = DEFAULTS.policy._current
         kernel = self.kernel
         assert kernel is not None
         devices = sorted({t.device.index or 0 for t in _tensors((args, kwargs)) if t.is_cuda})
-        with torch.no_grad(), torch.random.fork_rng(devices=devices):
-            expected = self.original(self.module, *clone_tensors(args), **clone_tensors(kwargs))
+        buffers = BufferState(self.module)
+        try:
+            with torch.no_grad(), torch.random.fork_rng(devices=devices):
+                expected = self.original(self.module, *clone_tensors(args), **clone_tensors(kwargs))
+            expected_buffers = clone_tensors(buffers.current()) if buffers else {}
+        finally:
+            buffers.restore()
         out = kernel(self.module, *args, **kwargs)
         mismatch = compare(out, expected, rtol=policy.rtol, atol=policy.atol)
+        if mismatch is None and buffers:
+            mismatch = compare(buffers.current(), expected_buffers, rtol=policy.rtol, atol=policy.atol, where="buffers")
         if mismatch is not None:
             error = KernelMismatchError(
                 path=self.path,

@@ -14,8 +14,14 @@ like ``prefer``):
 3. the outputs are compared: same structure (tensors, tuples, lists, dicts,
    other values by ``==``), same shapes and dtypes, and
    ``|kernel - original| <= atol + rtol * |original|`` elementwise (NaN equal
-   to NaN). Module state that both runs update (running statistics, caches
-   passed as arguments and mutated) is updated twice.
+   to NaN).
+
+Module buffers (running statistics and the like, of the module and its
+children) are saved before step 1 and restored after it, so both runs start
+from the same state and it ends updated once, by the kernel; the buffers
+each run leaves are compared too (``buffers['running_mean']``). State outside
+buffers (plain attributes, a cache passed as an argument and mutated) is
+updated by both runs.
 """
 
 from __future__ import annotations
@@ -25,8 +31,9 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from torch import nn
 
-__all__ = ["DEFAULT_TOLERANCES", "Mismatch", "clone_tensors", "compare", "tolerances"]
+__all__ = ["DEFAULT_TOLERANCES", "BufferState", "Mismatch", "clone_tensors", "compare", "tolerances"]
 
 #: (rtol, atol) by dtype when the policy gives none; exact for integers and bool.
 DEFAULT_TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
@@ -67,6 +74,34 @@ def clone_tensors(value: Any) -> Any:
     if isinstance(value, dict):
         return {key: clone_tensors(item) for key, item in value.items()}
     return value
+
+
+class BufferState:
+    """The buffers of a module tree: saved once, restorable, readable by qualified name."""
+
+    __slots__ = ("_saved",)
+
+    def __init__(self, module: nn.Module) -> None:
+        self._saved = [
+            (owner, name, f"{prefix}.{name}" if prefix else name, tensor, tensor.detach().clone())
+            for prefix, owner in module.named_modules()
+            for name, tensor in owner._buffers.items()
+            if tensor is not None
+        ]
+
+    def __bool__(self) -> bool:
+        return bool(self._saved)
+
+    def current(self) -> dict[str, Any]:
+        """The buffers now (the objects the modules hold under the saved names)."""
+        return {qualified: owner._buffers.get(name) for owner, name, qualified, _, _ in self._saved}
+
+    def restore(self) -> None:
+        """Put the saved objects back, with their saved values."""
+        with torch.no_grad():
+            for owner, name, _, tensor, value in self._saved:
+                owner._buffers[name] = tensor
+                tensor.copy_(value)
 
 
 def compare(

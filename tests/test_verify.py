@@ -242,3 +242,58 @@ def test_explain_under_verify(kernelized: Callable[..., DemoModel]) -> None:
     assert {(r.mode, r.path, r.reason) for r in rows} == {
         ("verify", "kernel", "kernel usable; verified against the original forward")
     }
+
+
+class _Tracking(nn.Module):
+    """A layer with state: an in-place running mean and a reassigned step counter (both buffers)."""
+
+    kernel_layer_name = "Tracking"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("running_mean", torch.zeros(3))
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = x - self.running_mean  # depends on the state before this call
+        self.running_mean.mul_(0.5).add_(0.5 * x.mean(0))
+        self.steps = self.steps + 1
+        return out
+
+
+def _tracking(momentum: float) -> nn.Module:
+    """A ``_Tracking`` bound, as kernels binds, to a kernel updating the mean with ``momentum``."""
+
+    def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        out = x - self.running_mean
+        self.running_mean.mul_(1 - momentum).add_(momentum * x.mean(0))
+        self.steps = self.steps + 1
+        return out
+
+    layer = _Tracking()
+    layer.forward = types.MethodType(forward, layer)  # type: ignore[method-assign]
+    return kp.attach(layer)
+
+
+def test_buffers_start_equal_for_both_runs_and_end_updated_once() -> None:
+    x = torch.arange(6.0).reshape(2, 3)
+    verified, preferred = _tracking(0.5), _tracking(0.5)
+    for _ in range(3):
+        with kp.kernel_policy("verify"):
+            out = verified(x)  # without the restore the kernel would see the mean updated twice
+        torch.testing.assert_close(out, preferred(x), rtol=0, atol=0)
+    torch.testing.assert_close(verified.running_mean, preferred.running_mean, rtol=0, atol=0)
+    assert int(verified.steps) == int(preferred.steps) == 3
+
+
+def test_buffers_updated_differently_by_the_kernel_are_a_mismatch() -> None:
+    layer = _tracking(0.6)
+    layer.running_mean.fill_(1.0)
+    x = torch.zeros(2, 3)
+    x[:, 0] = 1.0  # batch mean (1, 0, 0): the means end (1, 0.5, 0.5) and (1, 0.4, 0.4)
+    with kp.kernel_policy("verify"), pytest.raises(kp.KernelMismatchError) as info:
+        layer(x)  # outputs agree: both subtract the same starting mean
+    assert info.value.where == "buffers['running_mean']"
+    assert info.value.index == (1,)
+    assert info.value.max_abs == pytest.approx(0.1)
+    torch.testing.assert_close(layer.running_mean, torch.tensor([1.0, 0.4, 0.4]))  # the kernel's update, once
