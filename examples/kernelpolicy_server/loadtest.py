@@ -3,23 +3,29 @@
 ``python -m examples.kernelpolicy_server.loadtest [--requests 200] [--concurrency 32] [--json PATH]``
 
 It starts the real server (``python -m examples.kernelpolicy_server``) in a
-subprocess on a free 127.0.0.1 port, waits for ``/healthz`` and runs two
-phases of the same number of requests from one async httpx client:
+subprocess on a free 127.0.0.1 port, waits for ``/healthz`` and sends, from
+one async httpx client:
 
-- **mixed**: every request carries its own policy (no header, ``disable``,
-  ``prefer,RMSNorm=disable``, ``RMSNorm=require``, ``disable,RMSNorm=require``,
-  ``require``, and malformed headers). Each response is checked against its
-  own policy: the policy string the worker thread saw, the tokens
-  (``max_new_tokens`` of them, identical across policies for one prompt:
-  the kernel is bit-exact), and the calls per kernel layer and path (5
-  RMSNorm calls per forward on the kernel or the original path as the
-  policy says, SiLU and rotary embeddings original only, one forward per new
-  token). ``require`` must fail with 422 (SiLU and the rotary embedding have
-  no kernel), malformed headers with 400 and the parser's message. Any
-  response that does not match is a *leak*.
-- **prefer**: the same requests without a header (the default policy).
+- **mixed** (the leak test): every request carries its own policy (no
+  header, ``disable``, ``prefer,RMSNorm=disable``, ``RMSNorm=require``,
+  ``disable,RMSNorm=require``, ``require``, and malformed headers). Each
+  response is checked against its own policy: the policy string the worker
+  thread saw, the tokens (``max_new_tokens`` of them, identical across
+  policies for one prompt: the kernel is bit-exact), and the calls per
+  kernel layer and path (5 RMSNorm calls per forward on the kernel or the
+  original path as the policy says, SiLU and rotary embeddings original
+  only, one forward per new token). ``require`` must fail with 422 (SiLU and
+  the rotary embedding have no kernel), malformed headers with 400 and the
+  parser's message. Any response that does not match is a *leak*.
+- **policies** and **prefer** (the cost): the same number of requests again,
+  all of them generating: *policies* with the five valid headers above
+  shuffled, *prefer* with no header (policies not used). Like for like, so
+  the ratio of their throughputs is the cost of per-request policies. Each
+  is sent in two halves, in the order policies, prefer, prefer, policies, so
+  that warm-up and drift of a shared machine fall on both. Every response is
+  checked as in the mixed phase.
 
-It prints a Markdown summary (throughput of both phases, their ratio,
+It prints a Markdown summary (throughput of the phases, the cost ratio,
 latency percentiles, the checks), optionally writes JSON, stops the server
 and exits 1 if a check failed. Loopback only; bounded in count and time.
 """
@@ -257,19 +263,23 @@ def _ms(value: float | None) -> float | None:
     return None if value is None else round(value * 1000, 2)
 
 
-async def _phase(
+async def _send_all(
     client: httpx.AsyncClient, plan: list[tuple[Case, int]], prompts: list[list[int]], steps: int, concurrency: int
-) -> tuple[list[Result], dict[str, Any]]:
+) -> tuple[list[Result], float]:
+    """Send ``plan`` with at most ``concurrency`` requests in flight; the results and the wall time."""
     gate = asyncio.Semaphore(concurrency)
     start = time.perf_counter()
     results = await asyncio.gather(*(_send(client, c, p, prompts[p], steps, gate) for c, p in plan))
-    wall = time.perf_counter() - start
+    return list(results), time.perf_counter() - start
+
+
+def _stats(results: list[Result], wall: float) -> dict[str, Any]:
     ok = [r.latency_s for r in results if r.status == 200]
     statuses: dict[str, int] = {}
     for r in results:
         key = "error" if r.status is None else str(r.status)
         statuses[key] = statuses.get(key, 0) + 1
-    stats = {
+    return {
         "requests": len(results),
         "status_counts": dict(sorted(statuses.items())),
         "wall_s": round(wall, 4),
@@ -281,7 +291,6 @@ async def _phase(
             "max": _ms(max(ok, default=None)),
         },
     }
-    return list(results), stats
 
 
 async def _probe_after_malformed(client: httpx.AsyncClient, prompt: list[int], steps: int) -> bool:
@@ -310,22 +319,40 @@ async def _run(
 ) -> dict[str, Any]:
     prompts = _prompts()
     mixed_plan = _plan(requests, CASES, len(prompts))
-    prefer_plan = [(PREFER, prompt) for _, prompt in mixed_plan]
+    policies_plan = _plan(requests, tuple(c for c in CASES if c.status == 200), len(prompts))
+    prefer_plan = [(PREFER, prompt) for _, prompt in policies_plan]
+    half = len(policies_plan) // 2
+    halves = [
+        ("policies", policies_plan[:half]),
+        ("prefer", prefer_plan[:half]),
+        ("prefer", prefer_plan[half:]),
+        ("policies", policies_plan[half:]),
+    ]
+    sent: dict[str, list[Result]] = {"policies": [], "prefer": []}
+    walls = dict.fromkeys(sent, 0.0)
     started: list[Server] = []
     try:
         server = await start_server(workers, log, time.monotonic() + min(timeout, 180.0), started)
         limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
         async with httpx.AsyncClient(base_url=server.url, timeout=60.0, limits=limits) as client:
             # Warm-up, not measured: every case once, and the connection pool.
-            await _phase(client, _plan(max(len(CASES), concurrency), CASES, len(prompts)), prompts, steps, concurrency)
-            mixed, mixed_stats = await _phase(client, mixed_plan, prompts, steps, concurrency)
+            await _send_all(
+                client, _plan(max(len(CASES), concurrency), CASES, len(prompts)), prompts, steps, concurrency
+            )
+            mixed, mixed_wall = await _send_all(client, mixed_plan, prompts, steps, concurrency)
             served_after = await _probe_after_malformed(client, prompts[0], steps)
-            prefer, prefer_stats = await _phase(client, prefer_plan, prompts, steps, concurrency)
+            for name, plan in halves:
+                results, wall = await _send_all(client, plan, prompts, steps, concurrency)
+                sent[name] += results
+                walls[name] += wall
     finally:
         exit_code = [stop_server(s) for s in started][-1] if started else None
         log_text = started[-1].log_tail(1_000_000) if started else ""
+    mixed_stats = _stats(mixed, mixed_wall)
+    policies, prefer = sent["policies"], sent["prefer"]
+    policies_stats, prefer_stats = _stats(policies, walls["policies"]), _stats(prefer, walls["prefer"])
 
-    everything = mixed + prefer
+    everything = mixed + policies + prefer
     leaks = [(r, why) for r in everything if r.status is not None and (why := check(r, steps)) is not None]
     transport = [r for r in everything if r.status is None]
     malformed = [r for r in mixed if r.case.status == 400]
@@ -350,9 +377,8 @@ async def _run(
     first_400 = min((r.done_at for r in malformed if r.status == 400), default=None)
     ok_after_400 = sum(1 for r in mixed if r.status == 200 and first_400 is not None and r.done_at > first_400)
 
-    def ratio(key: str) -> float | None:
-        base = prefer_stats[key]
-        return round(mixed_stats[key] / base, 3) if base else None
+    def ratio(numerator: float | None, denominator: float | None) -> float | None:
+        return round(numerator / denominator, 3) if numerator and denominator else None
 
     return {
         "meta": {
@@ -364,10 +390,11 @@ async def _run(
             "workers": workers,
             "versions": _versions(),
         },
-        "phases": {"mixed": mixed_stats, "prefer": prefer_stats},
-        "ratio_mixed_to_prefer": {
-            "generations_per_s": ratio("generations_per_s"),
-            "requests_per_s": ratio("requests_per_s"),
+        "phases": {"mixed": mixed_stats, "policies": policies_stats, "prefer": prefer_stats},
+        "ratio_policies_to_prefer": {
+            "generations_per_s": ratio(policies_stats["generations_per_s"], prefer_stats["generations_per_s"]),
+            "p50_latency": ratio(policies_stats["latency_ms_200"]["p50"], prefer_stats["latency_ms_200"]["p50"]),
+            "p99_latency": ratio(policies_stats["latency_ms_200"]["p99"], prefer_stats["latency_ms_200"]["p99"]),
         },
         "checks": {
             "leaks": len(leaks),
@@ -416,7 +443,7 @@ def run_loadtest(
     timeout: float = 600.0,
     command: str | None = None,
 ) -> dict[str, Any]:
-    """Run both phases against a fresh server subprocess; the results (see :func:`markdown`)."""
+    """Run the phases against a fresh server subprocess; the results (see :func:`markdown`)."""
     if requests < len(CASES) or concurrency < 1 or not 1 <= max_new_tokens <= 32:
         raise ValueError(f"need requests >= {len(CASES)}, concurrency >= 1 and 1 <= max_new_tokens <= 32")
     with tempfile.NamedTemporaryFile(prefix="kernelpolicy-server-", suffix=".log") as log:
@@ -453,11 +480,13 @@ def markdown(results: dict[str, Any]) -> str:
             f"| {name} | {p['requests']} | {statuses} | {p['wall_s']:.2f} | {p['requests_per_s']:.1f} | "
             f"{p['generations_per_s']:.1f} | {lat['p50']} | {lat['p99']} |"
         )
-    ratio = results["ratio_mixed_to_prefer"]
+    ratio = results["ratio_policies_to_prefer"]
     lines += [
         "",
-        f"Mixed / prefer throughput: **{ratio['generations_per_s']}** in generations/s (200 responses), "
-        f"{ratio['requests_per_s']} in requests/s (the mixed phase also answers cheap 400s and early 422s).",
+        f"Per-request policies / no policies (*policies* / *prefer*, {phases['prefer']['requests']} generating "
+        f"requests each, sent in halves A B B A): throughput **{ratio['generations_per_s']}**, p50 latency "
+        f"{ratio['p50_latency']}, p99 latency {ratio['p99_latency']}. The *mixed* phase is the leak test: it also "
+        "answers cheap 400s and early 422s, so its throughput is not comparable.",
         "",
         "| check | result |",
         "| --- | --- |",
