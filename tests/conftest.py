@@ -73,3 +73,15 @@ def kernelized(mapping: Callable[[str], Any]) -> Callable[..., DemoModel]:
         return model
 
     return make
+
+
+@pytest.fixture
+def fresh_dynamo() -> Iterator[None]:
+    """TorchDynamo's caches and counters reset before and after the test (``usefixtures("fresh_dynamo")``)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()

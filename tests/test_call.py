@@ -11,14 +11,14 @@ from __future__ import annotations
 import contextlib
 import sys
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 import torch._dynamo
+from _helpers import graph_breaks, kernel_ran
 from torch import nn
-from torch._dynamo.utils import counters
 
 import kernelpolicy as kp
 from kernelpolicy import _binding
@@ -40,20 +40,7 @@ POLICIES: dict[str, Callable[[], contextlib.AbstractContextManager[object]]] = {
 KERNEL_RUNS = {"prefer": True, "require": True, "verify": True, "disable": False, "layer-disabled": False}
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo() -> Iterator[None]:
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
-
-
-def graph_breaks() -> int:
-    return sum(counters["graph_break"].values())
-
-
-def kernel_ran(out: torch.Tensor) -> bool:
-    return out.mean().item() > 50
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def calls_of(model: nn.Module, fn: Callable[[], Any]) -> tuple[int, Any]:

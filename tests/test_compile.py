@@ -11,13 +11,13 @@ import contextlib
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 import torch._dynamo
-from torch._dynamo.utils import counters
+from _helpers import graph_breaks, kernel_ran
 
 import kernelpolicy as kp
 from kernelpolicy._demo import DemoModel
@@ -41,20 +41,7 @@ class CountingBackend:
         return len(self.graphs)
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo() -> Iterator[None]:
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
-
-
-def graph_breaks() -> int:
-    return sum(counters["graph_break"].values())
-
-
-def kernel_ran(out: torch.Tensor) -> bool:
-    return out.mean().item() > 50
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def offset_nodes(gm: torch.fx.GraphModule) -> int:

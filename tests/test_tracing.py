@@ -12,7 +12,7 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch._dynamo
-from torch._dynamo.utils import counters
+from _helpers import graph_breaks, kernel_ran
 
 import kernelpolicy as kp
 from kernelpolicy._demo import DemoModel
@@ -20,18 +20,7 @@ from kernelpolicy._demo import DemoModel
 X = torch.randn(3, 16, generator=torch.Generator().manual_seed(2))
 
 
-def kernel_ran(out: torch.Tensor) -> bool:
-    return out.mean().item() > 50
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo() -> None:
-    torch._dynamo.reset()
-    counters.clear()
-
-
-def graph_breaks() -> int:
-    return sum(counters["graph_break"].values())
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 # (policy scope, kernel kind) -> does the kernel run under tracing?
