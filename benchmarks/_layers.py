@@ -32,7 +32,10 @@ __all__ = [
     "NoopLayer",
     "dispatch_variant",
     "kernel_function",
+    "nested_scopes",
+    "noop_modules",
     "own_code",
+    "rms_norm_modules",
     "seed_bind",
 ]
 
@@ -174,3 +177,41 @@ def own_code(cls: type[nn.Module], name: str) -> type[nn.Module]:
     copied = types.FunctionType(code, forward.__globals__, forward.__name__, forward.__defaults__, forward.__closure__)
     copied.__qualname__ = forward.__qualname__
     return type(name, (cls,), {"forward": copied, "__module__": cls.__module__})
+
+
+@contextlib.contextmanager
+def nested_scopes() -> Iterator[None]:
+    """Three nested scopes, none naming the measured layer: ``prefer`` > ``A="disable"`` > ``B="require"``."""
+    scopes = kernelpolicy.kernel_policy("prefer"), kernelpolicy.kernel_policy(A="disable")
+    with scopes[0], scopes[1], kernelpolicy.kernel_policy(B="require"):
+        yield
+
+
+def noop_modules(repos: KernelRepos) -> dict[str, nn.Module]:
+    """The no-op layers the ``eager_noop`` variants call, by role (see ``benchmarks/README.md``)."""
+    repo_ctc = repos.noop(can_torch_compile=True)
+    direct = repos.kernels_kernelize(NoopLayer(), "Noop", repo_ctc)
+    kernel_forward = kernel_function(direct)
+    return {
+        "direct": direct,
+        "direct_again": repos.kernels_kernelize(NoopLayer(), "Noop", repo_ctc),
+        "policy_ctc": repos.policy_kernelize(NoopLayer(), "Noop", repo_ctc),
+        "policy_plain": repos.policy_kernelize(NoopLayer(), "Noop", repos.noop(can_torch_compile=False)),
+        "custom_op": CustomOpNoop(kernel_forward),
+        "seed": seed_bind(NoopLayer(), kernel_forward),
+        "plain": NoopLayer(),
+    }
+
+
+def rms_norm_modules(repos: KernelRepos, hidden: int) -> dict[str, nn.Module]:
+    """``RMSNorm(hidden)`` layers the ``eager_rmsnorm`` variants call, by role, and a never-kernelized original."""
+    from kernelpolicy._demo import RMSNorm
+
+    repo_plain = repos.rms_norm(can_torch_compile=False)
+    return {
+        "direct": repos.kernels_kernelize(RMSNorm(hidden), "RMSNorm", repo_plain),
+        "direct_again": repos.kernels_kernelize(RMSNorm(hidden), "RMSNorm", repo_plain),
+        "policy_ctc": repos.policy_kernelize(RMSNorm(hidden), "RMSNorm", repos.rms_norm(can_torch_compile=True)),
+        "policy_plain": repos.policy_kernelize(RMSNorm(hidden), "RMSNorm", repo_plain),
+        "original": RMSNorm(hidden),
+    }

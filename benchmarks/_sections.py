@@ -29,7 +29,7 @@ from . import _layers
 from ._timing import Group, Settings, Variant, measure, summarize
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterator
+    from collections.abc import Callable
 
 __all__ = ["SECTIONS", "RunContext", "Section"]
 
@@ -64,12 +64,6 @@ class Section:
         }
 
 
-@contextlib.contextmanager
-def _nested_scopes() -> Iterator[None]:
-    with kernel_policy("prefer"), kernel_policy(A="disable"), kernel_policy(B="require"):
-        yield
-
-
 # --- 1. eager_noop ------------------------------------------------------------------------------------
 
 
@@ -80,18 +74,11 @@ def eager_noop(ctx: RunContext) -> Section:
         "`module(x)` with x = torch.zeros(1); the Noop kernel's forward returns x, so the time is dispatch only. "
         "Ratios are to kernels' own direct binding (the floor: kernels.kernelize, never attached).",
     )
-    repos = ctx.repos
-    repo_ctc = repos.noop(can_torch_compile=True)
-    repo_plain = repos.noop(can_torch_compile=False)
-
-    direct = repos.kernels_kernelize(_layers.NoopLayer(), "Noop", repo_ctc)
-    direct_again = repos.kernels_kernelize(_layers.NoopLayer(), "Noop", repo_ctc)
-    kernel_forward = _layers.kernel_function(direct)
-    policy_ctc = repos.policy_kernelize(_layers.NoopLayer(), "Noop", repo_ctc)
-    policy_plain = repos.policy_kernelize(_layers.NoopLayer(), "Noop", repo_plain)
-    custom_op = _layers.CustomOpNoop(kernel_forward)
-    seed = _layers.seed_bind(_layers.NoopLayer(), kernel_forward)
-    plain = _layers.NoopLayer()
+    modules = _layers.noop_modules(ctx.repos)
+    direct, direct_again, policy_ctc, policy_plain = (
+        modules[k] for k in ("direct", "direct_again", "policy_ctc", "policy_plain")
+    )
+    custom_op, seed, plain = modules["custom_op"], modules["seed"], modules["plain"]
     section.info["kernelpolicy forward, can_torch_compile=True"] = _layers.dispatch_variant(policy_ctc)
     section.info["kernelpolicy forward, can_torch_compile=False"] = _layers.dispatch_variant(policy_plain)
 
@@ -116,7 +103,7 @@ def eager_noop(ctx: RunContext) -> Section:
             call(policy_ctc),
             context=lambda: kernel_policy(Other="disable"),
         ),
-        Variant("(b) kernelpolicy, 3 nested scopes active", "m(x)", call(policy_ctc), context=_nested_scopes),
+        Variant("(b) kernelpolicy, 3 nested scopes active", "m(x)", call(policy_ctc), context=_layers.nested_scopes),
         Variant("(c) CustomOp-style self._forward_method(x)", "m(x)", call(custom_op)),
         Variant("(d) seed: is_compiling() or CONFIG.disabled", "m(x)", call(seed)),
         Variant("plain module, no kernels (class forward)", "m(x)", call(plain)),
@@ -137,17 +124,11 @@ def eager_rmsnorm(ctx: RunContext) -> Section:
         "`module(x)` with x of shape (batch, 4096), float32, under torch.no_grad(). Ratios are to kernels' "
         "direct binding; 'original forward, no kernels' is a reference row (a never-kernelized RMSNorm).",
     )
-    from kernelpolicy._demo import RMSNorm
-
-    repos = ctx.repos
-    repo_plain = repos.rms_norm(can_torch_compile=False)
-    repo_ctc = repos.rms_norm(can_torch_compile=True)
     hidden = 4096
-    direct = repos.kernels_kernelize(RMSNorm(hidden), "RMSNorm", repo_plain)
-    direct_again = repos.kernels_kernelize(RMSNorm(hidden), "RMSNorm", repo_plain)
-    policy_ctc = repos.policy_kernelize(RMSNorm(hidden), "RMSNorm", repo_ctc)
-    policy_plain = repos.policy_kernelize(RMSNorm(hidden), "RMSNorm", repo_plain)
-    original = RMSNorm(hidden)
+    modules = _layers.rms_norm_modules(ctx.repos, hidden)
+    direct, direct_again, policy_ctc, policy_plain, original = (
+        modules[k] for k in ("direct", "direct_again", "policy_ctc", "policy_plain", "original")
+    )
     section.info["kernelpolicy forward, can_torch_compile=True"] = _layers.dispatch_variant(policy_ctc)
     section.info["kernelpolicy forward, can_torch_compile=False"] = _layers.dispatch_variant(policy_plain)
 

@@ -83,8 +83,10 @@ VARIANTS: dict[str, Spec] = {
     "noop (d) seed: is_compiling() or CONFIG.disabled": Spec("noop", "seed", "", NOOP_BASELINE),
     "noop plain module, no kernels (class forward)": Spec("noop", "plain", "", NOOP_BASELINE),
     RMSNORM_BASELINE: Spec("rmsnorm", "rms_direct", "", RMSNORM_BASELINE),
-    "rmsnorm (b) kernelpolicy prefer, can_torch_compile=True": Spec("rmsnorm", "rms_ctc", "", RMSNORM_BASELINE),
-    "rmsnorm (b) kernelpolicy prefer, can_torch_compile=False": Spec("rmsnorm", "rms_plain", "", RMSNORM_BASELINE),
+    "rmsnorm (b) kernelpolicy prefer, can_torch_compile=True": Spec("rmsnorm", "rms_policy_ctc", "", RMSNORM_BASELINE),
+    "rmsnorm (b) kernelpolicy prefer, can_torch_compile=False": Spec(
+        "rmsnorm", "rms_policy_plain", "", RMSNORM_BASELINE
+    ),
 }
 
 
@@ -92,43 +94,26 @@ VARIANTS: dict[str, Spec] = {
 
 
 def _modules(root: Path) -> dict[str, Any]:
-    """The modules of ``benchmarks.run``'s eager_noop and eager_rmsnorm sections (batch 1)."""
-    from kernelpolicy._demo import RMSNorm
-
+    """The modules of ``benchmarks.run``'s eager_noop and eager_rmsnorm sections; RMSNorm keys get ``rms_``."""
     from . import _layers
 
     repos = _layers.KernelRepos(root)
-    noop_ctc = repos.noop(can_torch_compile=True)
-    noop_plain = repos.noop(can_torch_compile=False)
-    direct = repos.kernels_kernelize(_layers.NoopLayer(), "Noop", noop_ctc)
-    kernel_forward = _layers.kernel_function(direct)
-    rms_plain = repos.rms_norm(can_torch_compile=False)
-    return {
-        "direct": direct,
-        "direct_again": repos.kernels_kernelize(_layers.NoopLayer(), "Noop", noop_ctc),
-        "policy_ctc": repos.policy_kernelize(_layers.NoopLayer(), "Noop", noop_ctc),
-        "policy_plain": repos.policy_kernelize(_layers.NoopLayer(), "Noop", noop_plain),
-        "custom_op": _layers.CustomOpNoop(kernel_forward),
-        "seed": _layers.seed_bind(_layers.NoopLayer(), kernel_forward),
-        "plain": _layers.NoopLayer(),
-        "rms_direct": repos.kernels_kernelize(RMSNorm(4096), "RMSNorm", rms_plain),
-        "rms_ctc": repos.policy_kernelize(RMSNorm(4096), "RMSNorm", repos.rms_norm(can_torch_compile=True)),
-        "rms_plain": repos.policy_kernelize(RMSNorm(4096), "RMSNorm", rms_plain),
-    }
+    modules: dict[str, Any] = dict(_layers.noop_modules(repos))
+    modules.update({f"rms_{k}": m for k, m in _layers.rms_norm_modules(repos, 4096).items()})
+    return modules
 
 
 def _scope(key: str) -> contextlib.AbstractContextManager[Any]:
     from kernelpolicy import kernel_policy, kernels_disabled
+
+    from . import _layers
 
     if key == "disabled":
         return kernels_disabled()
     if key == "other":
         return kernel_policy(Other="disable")
     if key == "nested":
-        stack = contextlib.ExitStack()
-        for scope in (kernel_policy("prefer"), kernel_policy(A="disable"), kernel_policy(B="require")):
-            stack.enter_context(scope)
-        return stack
+        return _layers.nested_scopes()
     return contextlib.nullcontext()
 
 
