@@ -51,6 +51,7 @@ from torch.nn.modules.module import (  # the names nn.Module._call_impl reads, f
     _global_forward_pre_hooks,
 )
 
+from . import _compat
 from ._dispatch import Binding, make_forward
 from ._policy import DEFAULTS, ensure_env
 
@@ -65,6 +66,8 @@ __all__ = [
     "replace_kernel_forward_from_hub",
     "use_kernel_forward_from_hub",
 ]
+
+_compat.check_torch()
 
 BINDING = "_kernelpolicy"
 _OURS = ("forward", BINDING)
@@ -136,14 +139,13 @@ def kernelize(
     ``mode`` is a ``kernels.Mode`` or a string such as ``"inference"`` or
     ``"training|torch_compile"``.
     """
-    import kernels
-
+    kernels = _compat.kernels()
     kernels.kernelize(model, mode=_kernels_mode(mode), device=device, use_fallback=use_fallback)
     return attach(model)
 
 
 def _kernels_mode(mode: Any) -> Any:
-    from kernels import Mode
+    Mode = _compat.kernels().Mode  # noqa: N806 - the kernels class
 
     if isinstance(mode, Mode):
         return mode
@@ -166,9 +168,7 @@ def use_kernel_forward_from_hub(layer_name: str) -> Callable[[T], T]:
     policy-aware as soon as it is constructed, so ``require`` raises even
     before any kernelize. On a function, the returned ``Func`` module is.
     """
-    import kernels
-
-    mark = kernels.use_kernel_forward_from_hub(layer_name)
+    mark = _compat.kernels().use_kernel_forward_from_hub(layer_name)
 
     def decorator(obj: T) -> T:
         marked = mark(obj)
@@ -185,9 +185,7 @@ def replace_kernel_forward_from_hub(
     cls: type[nn.Module], layer_name: str, condition: Callable[[nn.Module], bool] | None = None
 ) -> None:
     """Drop-in for ``kernels.replace_kernel_forward_from_hub`` that also makes ``cls`` policy-aware."""
-    import kernels
-
-    kernels.replace_kernel_forward_from_hub(cls, layer_name, condition)
+    _compat.kernels().replace_kernel_forward_from_hub(cls, layer_name, condition)
     _make_class_aware(cls)
 
 
@@ -335,11 +333,13 @@ _aware_call = _with_torch_globals(_aware_call)
 
 
 # The names ``nn.Module._wrapped_call_impl`` and ``_call_impl`` read in the
-# torch versions whose fast path ``_aware_call`` reproduces (2.13). A torch
-# whose call path reads anything else (a new hook dict, say) gets no
-# ``__call__`` override: correct, one frame slower. ``python -m kernelpolicy
-# doctor`` reports which.
-_CHECKED_CALL_NAMES = frozenset(
+# torch versions whose fast path ``_aware_call`` reproduces: 2.9 to 2.14, and
+# 2.15, which asks ``torch._C._is_tracing()`` where earlier releases asked
+# ``_get_tracing_state()`` (the same answer; ``_aware_call`` asks the latter,
+# present in both). A torch whose call path reads anything else (a new hook
+# dict, say) gets no ``__call__`` override: correct, one frame slower.
+# ``python -m kernelpolicy doctor`` reports which.
+_CALL_NAMES_2_9 = frozenset(
     {
         "_C", "_backward_hooks", "_backward_pre_hooks", "_call_impl", "_compiled_call_impl", "_forward_hooks",
         "_forward_hooks_always_called", "_forward_hooks_with_kwargs", "_forward_pre_hooks", "_get_tracing_state",
@@ -348,6 +348,7 @@ _CHECKED_CALL_NAMES = frozenset(
         "Exception", "forward", "is_compiling", "items", "set", "str", "torch", "warn", "warnings",
     }
 )  # fmt: skip
+_CHECKED_CALL_NAMES: Final = (_CALL_NAMES_2_9, _CALL_NAMES_2_9 - {"_get_tracing_state"} | {"_is_tracing"})
 
 
 def torch_call_names() -> frozenset[str]:
@@ -356,7 +357,7 @@ def torch_call_names() -> frozenset[str]:
 
 
 #: Whether policy-aware classes get :func:`_aware_call` on this torch.
-FAST_CALL: Final = torch_call_names() == _CHECKED_CALL_NAMES
+FAST_CALL: Final = torch_call_names() in _CHECKED_CALL_NAMES
 
 
 def _plain_call(cls: type[nn.Module]) -> bool:

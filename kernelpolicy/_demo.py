@@ -28,9 +28,9 @@ __all__ = ["DemoModel", "RMSNorm", "demo", "kernelized_demo_model"]
 
 
 def _mark(layer_name: str) -> Any:
-    import kernels
+    from ._compat import kernels
 
-    return kernels.use_kernel_forward_from_hub(layer_name)
+    return kernels().use_kernel_forward_from_hub(layer_name)
 
 
 @_mark("RMSNorm")

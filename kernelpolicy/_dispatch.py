@@ -198,9 +198,11 @@ class Binding:
             return self.original(self.module, *args, **kwargs)
         if _is_dynamo():
             # Constructing or raising an exception in traced code is unsupported;
-            # break the graph here so that fullgraph=True fails with this message
-            # and fullgraph=False raises the error below, eagerly.
+            # break the graph here so that fullgraph=True fails with this message,
+            # and raise from code Dynamo never traces (torch 2.9 traces the code
+            # after the break and fails on the raise with an internal error).
             torch._dynamo.graph_break(msg=unavailable_message(self.path, self.layer_name, self.module_class, reason))
+            _raise_unavailable(self, reason)
         raise self.error(reason)
 
     def verify(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -256,6 +258,13 @@ class Binding:
                 self.path,
                 reason,
             )
+
+
+def _raise(binding: Binding, reason: str) -> None:
+    raise binding.error(reason)
+
+
+_raise_unavailable: Callable[[Binding, str], None] = torch.compiler.disable(_raise)  # type: ignore[no-untyped-call]
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:

@@ -1,11 +1,18 @@
-"""``python -m kernelpolicy doctor``: check the compile mechanism on the installed torch.
+"""``python -m kernelpolicy doctor``: check kernelpolicy's footing on the installed torch.
 
-This module owns :func:`doctor`. The compile path rests on TorchDynamo
-tracing and guarding a read of ``property(ContextVar.get)`` (see ``_policy``).
-That is a detail of torch, so the doctor checks it for real on this install:
-one compiled model, ``fullgraph=True``, called under alternating policies in
-this thread and in a fresh thread, must follow each policy with no graph
-break, no stale graph and exactly one compile per distinct policy.
+This module owns :func:`doctor`. Three things rest on details of torch, so
+the doctor checks them for real on this install:
+
+- the private names kernelpolicy reads (``_compat.INTERNALS``): each one
+  present, or what kernelpolicy falls back to;
+- trace-state detection (``_state``): ``execution_state()`` inside a forward
+  run by ``torch.compile``, ``torch.export`` (strict and non-strict),
+  ``torch.fx.symbolic_trace`` and ``torch.jit.trace`` names that tracer;
+- the compile path, which rests on TorchDynamo tracing and guarding a read
+  of ``property(ContextVar.get)`` (see ``_policy``): one compiled model,
+  ``fullgraph=True``, called under alternating policies in this thread and in
+  a fresh thread, must follow each policy with no graph break, no stale graph
+  and exactly one compile per distinct policy.
 """
 
 from __future__ import annotations
@@ -20,7 +27,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import _state
 from ._binding import _CHECKED_CALL_NAMES, FAST_CALL, attach, torch_call_names
+from ._compat import probe
 from ._scope import kernel_policy, kernels_disabled
 
 __all__ = ["DoctorReport", "doctor"]
@@ -39,6 +48,8 @@ class DoctorReport:
     mechanism: str
     native_contextvar_get: bool
     fast_call: str
+    internals: tuple[str, ...]
+    readers: dict[str, str]
     checks: tuple[tuple[str, bool, str], ...]
 
     @property
@@ -52,6 +63,9 @@ class DoctorReport:
         native = "yes" if self.native_contextvar_get else "no (not needed)"
         lines.append(f"  Dynamo traces ContextVar.get natively: {native}")
         lines.append(f"  module(...) fast path: {self.fast_call}")
+        lines.append("  trace-state readers: " + ", ".join(f"{k}: {v}" for k, v in self.readers.items()))
+        lines.append("  private names read:")
+        lines += [f"    {line}" for line in self.internals]
         for name, passed, detail in self.checks:
             lines.append(f"  [{'ok' if passed else 'FAIL'}] {name}: {detail}")
         lines.append("result: " + ("all checks passed" if self.ok else "SOME CHECKS FAILED"))
@@ -97,16 +111,45 @@ def _native_contextvar_get() -> bool:
 def _fast_call() -> str:
     if FAST_CALL:
         return "on (policy-aware classes fold nn.Module.__call__ and _call_impl into one frame)"
-    changed = sorted(torch_call_names() ^ _CHECKED_CALL_NAMES)
+    changed = sorted(torch_call_names() ^ min(_CHECKED_CALL_NAMES, key=lambda names: len(names ^ torch_call_names())))
     return (
         f"off: this torch's nn.Module call path differs from the one checked in names {changed}; "
         "module(...) goes through nn.Module.__call__ (correct, one Python frame slower)"
     )
 
 
+_STATES = ("eager", "compile", "export", "jit", "fx")
+
+
+class _StateProbe(nn.Module):
+    """Adds the index of :func:`execution_state` in ``_STATES``: a constant each tracer bakes into its program."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + _STATES.index(_state.execution_state())
+
+
+def _traced_states() -> dict[str, str]:
+    """What ``execution_state()`` says inside a forward run by each tracer (its program's output)."""
+    x = torch.zeros(1)
+    runs: dict[str, Any] = {
+        "eager": lambda: _StateProbe()(x),
+        "compile": lambda: torch.compile(_StateProbe(), backend="eager", fullgraph=True)(x),
+        "export": lambda: torch.export.export(_StateProbe(), (x,), strict=True).module()(x),
+        "export (non-strict)": lambda: torch.export.export(_StateProbe(), (x,), strict=False).module()(x),
+        "fx": lambda: torch.fx.symbolic_trace(_StateProbe())(x),
+        "jit": lambda: torch.jit.trace(_StateProbe(), (x,), check_trace=False)(x),  # type: ignore[no-untyped-call]
+    }
+    seen: dict[str, str] = {}
+    for tracer, run in runs.items():
+        try:
+            seen[tracer] = _STATES[int(run()[0])]
+        except Exception as exc:  # noqa: BLE001 - reported, not raised
+            seen[tracer] = f"{type(exc).__name__}: {exc}"
+    return seen
+
+
 def doctor() -> DoctorReport:
     """Run the checks; see :class:`DoctorReport`."""
-    import torch._dynamo
     from torch._dynamo.utils import counters
 
     versions = {
@@ -124,7 +167,7 @@ def doctor() -> DoctorReport:
         compiles[0] += 1
         return gm.forward
 
-    torch._dynamo.reset()
+    torch.compiler.reset()
     breaks_before = sum(counters["graph_break"].values())
     compiled = torch.compile(layer, backend=backend, fullgraph=True)
     x = torch.zeros(1)
@@ -149,17 +192,33 @@ def doctor() -> DoctorReport:
         error = f"{type(exc).__name__}: {exc}"
     breaks = sum(counters["graph_break"].values()) - breaks_before
     expected = [100.0, 1.0, 100.0, 1.0, 1.0, 100.0]
+    found = probe()
+    missing = [str(f) for f in found if not f.present]
+    states = _traced_states()
+    wrong_states = {tracer: state for tracer, state in states.items() if state != tracer.split(" ")[0]}
     checks = (
+        (
+            "private torch and kernels names present",
+            not missing,
+            "; ".join(missing) or f"all {len(found)} present",
+        ),
+        (
+            "execution_state() names each tracer",
+            not wrong_states,
+            ", ".join(f"{tracer}: {state}" for tracer, state in (wrong_states or states).items()),
+        ),
         ("compiles with fullgraph=True", not error, error or "no error"),
         ("follows the policy of each call", seen == expected, f"outputs {seen}, expected {expected}"),
         ("one compile per distinct policy", compiles[0] == 2, f"{compiles[0]} compiles for 2 policies"),
         ("no graph breaks", breaks == 0, f"{breaks} graph breaks"),
     )
-    torch._dynamo.reset()
+    torch.compiler.reset()
     return DoctorReport(
         versions=versions,
         mechanism=MECHANISM,
         native_contextvar_get=_native_contextvar_get(),
         fast_call=_fast_call(),
+        internals=tuple(str(f) for f in found),
+        readers=dict(_state.READERS),
         checks=checks,
     )

@@ -1,52 +1,85 @@
 """Execution-state detection: eager, or which tracer is running.
 
-This module owns the answer to "can a kernel that is not traceable run now?".
+This module owns the answer to "can a kernel that is not traceable run now?",
+on every supported torch: the readers are chosen once, at import, from what
+the installed torch provides (see ``_compat``), not from its version.
 
 =========== =========================================================
 state       detected by
 =========== =========================================================
 ``compile`` TorchDynamo is tracing (``torch.compile``, strict export);
             ``torch.compiler.is_dynamo_compiling()`` folds to True there
-``export``  ``torch.export`` (strict or not): ``torch.compiler`` flags
-``fx``      ``torch.fx.symbolic_trace``: the tracer's module flag
+``export``  ``torch.export`` (strict or not): ``torch.compiler``'s
+            export flag, which export sets before tracing
+``fx``      ``torch.fx.symbolic_trace``: the tracer's flag (a module
+            global up to torch 2.13, thread-local from 2.14)
 ``jit``     ``torch.jit.trace`` and the TorchScript ONNX exporter:
             ``nn.Module`` routes calls through ``_slow_forward`` while
             tracing, which policy-aware layers override (see
-            ``_binding``); :func:`execution_state` also asks the tracer
+            ``_binding``); :func:`execution_state` asks the
+            tracer
 ``eager``   none of the above
 =========== =========================================================
 
 Order matters: the Dynamo check must come first. Under Dynamo the
 ``torch.compiler._is_compiling_flag`` global reads True at trace time and
 False at run time, so reading it in traced code would recompile every call.
+Non-strict export sets the compile flag and the fx flag too, so the export
+check comes before both.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 import torch
 import torch.compiler as _compiler
 import torch.fx._symbolic_trace as _fx
 from torch.compiler import is_dynamo_compiling as _is_dynamo
 
-__all__ = ["TRACING_CHECK", "TRACING_NAMES", "ExecutionState", "execution_state", "is_tracing"]
+from ._compat import COMPILING_FLAG, EXPORTING_FLAG, FX_TRACING, first_present
+
+__all__ = ["READERS", "TRACING_CHECK", "TRACING_NAMES", "ExecutionState", "execution_state"]
 
 ExecutionState = Literal["eager", "compile", "export", "jit", "fx"]
-_get_tracing_state = torch._C._get_tracing_state
+
+
+def _fx_reader() -> str:
+    found = first_present(FX_TRACING)
+    if found == FX_TRACING.names[0]:
+        return "_fx._is_fx_tracing_flag"
+    if found == FX_TRACING.names[1]:
+        # A thread-local: ``__dict__.get`` (about 50 ns) rather than ``getattr(..., "flag", False)``,
+        # which raises and catches AttributeError in every thread that never traced (about 500 ns).
+        return '_fx._is_fx_tracing_tls.__dict__.get("flag", False)'
+    return "_fx.is_fx_symbolic_tracing()"
+
+
+#: The source of each flag reader on this torch (``python -m kernelpolicy doctor`` prints them).
+READERS: Final[dict[str, str]] = {
+    "compile": "_compiler._is_compiling_flag" if first_present(COMPILING_FLAG) else "_compiler.is_compiling()",
+    "export": "_compiler._is_exporting_flag" if first_present(EXPORTING_FLAG) else "_compiler.is_exporting()",
+    "fx": _fx_reader(),
+}
 
 #: The hot path's check, true under any tracer except ``torch.jit.trace``, as
 #: source over :data:`TRACING_NAMES`: ``_dispatch`` inlines it into the
 #: generated forwards (a function call costs as much as the check). Policy-aware
 #: layers learn about jit tracing from ``_slow_forward`` instead, which costs
 #: nothing in eager mode.
-TRACING_CHECK = "_is_dynamo() or _compiler._is_compiling_flag or _fx._is_fx_tracing_flag"
-TRACING_NAMES: dict[str, Any] = {"_is_dynamo": _is_dynamo, "_compiler": _compiler, "_fx": _fx}
+TRACING_CHECK: Final = f"_is_dynamo() or {READERS['compile']} or {READERS['fx']}"
+TRACING_NAMES: Final[dict[str, Any]] = {"_is_dynamo": _is_dynamo, "_compiler": _compiler, "_fx": _fx}
 
 
-def is_tracing() -> bool:
-    """:data:`TRACING_CHECK` as a function."""
-    return bool(eval(TRACING_CHECK, {"__builtins__": {}}, TRACING_NAMES))
+def _reader(source: str) -> Any:
+    return eval(f"lambda: {source}", {"__builtins__": {}, **TRACING_NAMES})  # fixed sources, above
+
+
+_HAS_EXPORT_FLAG: Final = first_present(EXPORTING_FLAG) is not None
+_exporting = _reader(READERS["export"])
+_compiling = _reader(READERS["compile"])
+_fx_tracing = _reader(READERS["fx"])
+_get_tracing_state = torch._C._get_tracing_state  # see _compat.JIT_TRACING_STATE
 
 
 def execution_state() -> ExecutionState:
@@ -57,12 +90,15 @@ def execution_state() -> ExecutionState:
     'eager'
     """
     if _is_dynamo():
-        return "export" if _compiler.is_exporting() else "compile"
-    if _compiler._is_exporting_flag:
+        # Traced code. Dynamo folds ``torch.compiler.is_exporting()`` to True under plain
+        # ``torch.compile`` before torch 2.13 (seen on 2.9.1); it reads the flag itself as a guarded global.
+        exporting = _compiler._is_exporting_flag if _HAS_EXPORT_FLAG else _compiler.is_exporting()
+        return "export" if exporting else "compile"
+    if _exporting():
         return "export"
-    if _compiler._is_compiling_flag:
+    if _compiling():
         return "compile"
-    if _fx._is_fx_tracing_flag:
+    if _fx_tracing():
         return "fx"
     if _get_tracing_state() is not None:
         return "jit"

@@ -1,19 +1,24 @@
 """Local kernel repositories for tests, demos and benchmarks (no Hub needed).
 
-This module owns the on-disk layout that ``kernels`` loads offline on CPU::
+This module owns the on-disk layout that ``kernels`` loads offline, on CPU
+and CUDA builds of torch alike::
 
-    <repo>/build/torch-cpu/metadata.json
-    <repo>/build/torch-cpu/__init__.py     # from . import layers
-    <repo>/build/torch-cpu/layers.py
+    <repo>/build/torch-universal/metadata.json
+    <repo>/build/torch-universal/__init__.py     # from . import layers
+    <repo>/build/torch-universal/layers.py
+
+(``kernels`` takes the system backend from the torch build, ``cuda`` on any
+CUDA build even without a GPU, and rejects a ``torch-cpu`` variant there; a
+``torch-universal`` variant is accepted on every build.)
 
 and a ready RMSNorm kernel whose behaviour is observable: a module-level call
 counter (eager calls only, so that ``torch.compile`` does not guard on it) and
 an optional output offset (to see the path inside a compiled graph).
 
 >>> import tempfile, pathlib
->>> from kernelpolicy.testing import rms_norm_kernel_source, write_kernel_repo
+>>> from kernelpolicy.testing import VARIANT, rms_norm_kernel_source, write_kernel_repo
 >>> repo = write_kernel_repo(pathlib.Path(tempfile.mkdtemp()), rms_norm_kernel_source())
->>> sorted(p.name for p in (repo / "build" / "torch-cpu").iterdir())
+>>> sorted(p.name for p in (repo / "build" / VARIANT).iterdir())
 ['__init__.py', 'layers.py', 'metadata.json']
 """
 
@@ -30,17 +35,21 @@ if TYPE_CHECKING:
 
     from torch import nn
 
-__all__ = ["kernel_calls", "rms_norm_kernel_source", "tiny_llama", "write_kernel_repo"]
+__all__ = ["VARIANT", "kernel_calls", "rms_norm_kernel_source", "tiny_llama", "write_kernel_repo"]
+
+
+#: The build variant written: pure-Python kernels that load on every torch build.
+VARIANT = "torch-universal"
 
 
 def write_kernel_repo(root: Path, layers_source: str, *, name: str = "local-kernel") -> Path:
-    """Write a CPU kernel repository under ``root`` and return ``root``.
+    """Write a pure-Python kernel repository under ``root`` and return ``root``.
 
     ``layers_source`` is the text of ``layers.py``. Each repository gets a
     unique import name, so many can be loaded in one process.
     """
     ident = f"_{name.replace('-', '_')}_{uuid.uuid4().hex[:12]}"
-    build = root / "build" / "torch-cpu"
+    build = root / "build" / VARIANT
     build.mkdir(parents=True, exist_ok=True)
     metadata = {
         "id": ident,

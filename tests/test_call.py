@@ -96,7 +96,7 @@ def test_a_class_with_its_own_call_keeps_it(name: str) -> None:
 
 def test_torch_call_path_is_the_one_checked() -> None:
     """Canary: a torch whose nn.Module call path reads other names turns the fast path off (see doctor)."""
-    assert _binding.torch_call_names() == _binding._CHECKED_CALL_NAMES
+    assert _binding.torch_call_names() in _binding._CHECKED_CALL_NAMES
     assert _binding.FAST_CALL
     assert _fast_call().startswith("on ")
 

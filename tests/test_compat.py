@@ -1,0 +1,154 @@
+"""The installed torch and kernels: supported releases, and the canary for private names.
+
+A torch release that moves a private name kernelpolicy reads fails here, with
+the name, before it fails in a user's forward.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import threading
+import warnings
+
+import pytest
+import torch
+
+import kernelpolicy as kp
+from kernelpolicy import _compat, _state
+from kernelpolicy._compat import INTERNALS, Found, Internal, UnsupportedVersionError, check_version, lookup, probe
+
+
+def test_every_private_name_is_present_on_this_torch() -> None:
+    missing = [str(found) for found in probe() if not found.present]
+    assert not missing, f"torch {torch.__version__}: " + "; ".join(missing)
+
+
+def test_the_list_covers_the_call_path_canary() -> None:
+    # Each name the fast call path reads from torch.nn.modules.module is listed.
+    listed = {name.rsplit(".", 1)[-1] for internal in INTERNALS for name in internal.names}
+    assert {"_wrapped_call_impl", "_call_impl", "_slow_forward", "_get_tracing_state"} <= listed
+    assert {"_global_forward_hooks", "_global_backward_pre_hooks"} <= listed
+
+
+def test_lookup_names_what_is_missing() -> None:
+    assert lookup("torch.nn.Module._slow_forward") is torch.nn.Module._slow_forward
+    with pytest.raises(LookupError, match=r"torch\.fx\._symbolic_trace\._no_such_flag: torch\.fx\._symbolic_trace has"):
+        lookup("torch.fx._symbolic_trace._no_such_flag")
+    with pytest.raises(LookupError, match="no module 'no_such_package_kp'"):
+        lookup("no_such_package_kp.x")
+
+
+def test_a_missing_name_reports_its_fallback() -> None:
+    gone = Internal("a flag", ("torch._no_such_flag_a", "torch._no_such_flag_b"), "the public function")
+    found = Found(gone, _compat.first_present(gone))
+    assert not found.present
+    assert str(found) == (
+        "a flag: MISSING torch._no_such_flag_a or torch._no_such_flag_b; kernelpolicy falls back to the public function"
+    )
+    essential = Found(Internal("jit", ("torch._gone",)), None)
+    assert str(essential).endswith("kernelpolicy cannot work")
+
+
+def test_alternatives_take_the_first_present() -> None:
+    moved = Internal("fx flag", ("torch._no_such_flag", "torch.fx._symbolic_trace.is_fx_symbolic_tracing"))
+    assert _compat.first_present(moved) == "torch.fx._symbolic_trace.is_fx_symbolic_tracing"
+
+
+# --- trace-state readers, chosen at import: right under the real tracers ----------------------
+
+READER_SOURCES = [
+    _state.READERS["fx"],
+    "_fx.is_fx_symbolic_tracing()",  # the fallback, exercised on every torch
+]
+
+
+class _Seen(torch.nn.Module):
+    def __init__(self, source: str) -> None:
+        super().__init__()
+        self.read = _state._reader(source)
+        self.seen: list[bool] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(bool(self.read()))
+        return x + 1
+
+
+@pytest.mark.parametrize("source", READER_SOURCES)
+def test_fx_reader_is_true_only_under_fx_tracing(source: str) -> None:
+    probe_module = _Seen(source)
+    probe_module(torch.zeros(1))
+    torch.fx.symbolic_trace(probe_module)
+    torch.jit.trace(probe_module, (torch.zeros(1),), check_trace=False)
+    assert probe_module.seen == [False, True, False]
+
+
+def test_hot_path_check_reads_what_this_torch_has() -> None:
+    for reader in _state.READERS.values():
+        root, *attributes = reader.split("(")[0].split(".")
+        value = _state.TRACING_NAMES[root]
+        for attribute in attributes:
+            assert hasattr(value, attribute), (reader, attribute)
+            value = getattr(value, attribute)
+    assert _state.READERS["compile"] in _state.TRACING_CHECK and _state.READERS["fx"] in _state.TRACING_CHECK
+
+
+@pytest.mark.skipif(
+    _state.READERS["fx"] == "_fx._is_fx_tracing_flag", reason="fx tracing is process-wide on this torch (<= 2.13)"
+)
+def test_fx_tracing_in_one_thread_is_eager_in_another() -> None:
+    started, release = threading.Event(), threading.Event()
+    seen: list[str] = []
+
+    class Blocking(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            started.set()
+            release.wait(30)
+            return x + 1
+
+    tracer = threading.Thread(target=torch.fx.symbolic_trace, args=(Blocking(),))
+    tracer.start()
+    assert started.wait(30)
+    seen.append(kp.execution_state())
+    release.set()
+    tracer.join(30)
+    assert seen == ["eager"]
+
+
+# --- supported releases -----------------------------------------------------------------------
+
+
+def test_installed_releases_are_supported() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _compat.check_torch()
+        assert _compat.kernels().__name__ == "kernels"
+
+
+def test_older_release_is_refused_with_both_versions() -> None:
+    with pytest.raises(UnsupportedVersionError) as info:
+        check_version("torch", "2.8.0+cu128")
+    message = str(info.value)
+    assert "torch>=2.9,<2.16" in message and "installed: torch 2.8.0+cu128" in message
+    assert isinstance(info.value, ImportError)
+
+
+def test_newer_release_warns_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_compat, "_warned", set())
+    with pytest.warns(UserWarning, match=r"tested with kernels>=0\.16,<0\.18; installed: kernels 0\.19\.0"):
+        check_version("kernels", "0.19.0")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_version("kernels", "0.19.1")
+
+
+@pytest.mark.parametrize("version", ["2.9.0", "2.15.0+cu132", "2.10.0a0+git1"])
+def test_supported_releases_pass_silently(version: str) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_version("torch", version)
+
+
+def test_pyproject_declares_the_supported_ranges() -> None:
+    pyproject = (pathlib.Path(__file__).parents[1] / "pyproject.toml").read_text()
+    for package, (low, high) in _compat.SUPPORTED.items():
+        assert f'"{package}>={low},<{high}",' in pyproject
