@@ -394,7 +394,8 @@ def _aware_members(cls: type[nn.Module]) -> dict[str, Any]:
         if scope:
             tracing_state.push_scope(scope)
         try:
-            mode = DEFAULTS.policy._current.mode_for(binding.layer_name)
+            # The same table entry the eager forward reads, so recorded calls are counted here too.
+            mode = getattr(DEFAULTS.policy._current._table, binding.layer_name)
             return binding.slow(mode, args, kwargs, "jit")
         finally:
             if scope:

@@ -290,15 +290,30 @@ def _class_name(module: nn.Module) -> str:
 # flags) has one source for TorchDynamo: no aliasing guards between layers,
 # which cost guard time and are not thread-safe in torch 2.13. What differs per
 # layer is a closure cell filled by ``_factory``.
+# Under TorchDynamo (``_is_dynamo()`` folds to a constant there) each body reads
+# only what its traced program depends on: whether the kernel is on
+# (``policy._kernel_on``: any mode but ``disable``) and, where an error can be
+# due, whether it is required (``policy._required``). Dynamo guards on exactly
+# those reads, so policies that spell one program differently (``prefer``,
+# ``require`` and ``verify`` on a traceable kernel; ``prefer`` and ``disable`` on
+# a layer without kernel; any mode with call recording) share one compiled graph.
 _BODIES: dict[str, str] = {
     "without_kernel": """
         policy = DEFAULTS.policy._current
+        if _is_dynamo():
+            if {required}:
+                return slow("require", {pack})
+            return original(self, {call})
         mode = {lookup}
         if mode == "prefer" or mode == "disable":
             return original(self, {call})
         return slow(mode, {pack})""",
     "always_usable": """
         policy = DEFAULTS.policy._current
+        if _is_dynamo():
+            if {kernel_on}:
+                return kernel(self, {call})
+            return original(self, {call})
         mode = {lookup}
         if mode == "prefer" or mode == "require":
             return kernel(self, {call})
@@ -307,6 +322,12 @@ _BODIES: dict[str, str] = {
         return slow(mode, {pack})""",
     "general": """
         policy = DEFAULTS.policy._current
+        if _is_dynamo():
+            if traceable and {kernel_on}:
+                return slow("require" if {required} else "prefer", {pack})
+            if not traceable and {required}:
+                return slow("require", {pack})
+            return original(self, {call})
         mode = {lookup}
         if mode == "disable":
             return original(self, {call})
@@ -316,7 +337,7 @@ _BODIES: dict[str, str] = {
             return kernel(self, {call})
         return slow(mode, {pack})""",
 }
-_CELLS = "original, kernel, slow, has_backward"
+_CELLS = "original, kernel, slow, has_backward, traceable"
 _FACTORIES: dict[tuple[str, str, str, str, str], Callable[..., Callable[..., Any]]] = {}
 
 
@@ -358,10 +379,20 @@ def _factory(variant: str, function: Callable[..., Any], layer_name: str) -> Cal
     key = (variant, params, call, pack, layer_name)
     found = _FACTORIES.get(key)
     if found is None:
-        # The layer's resolved mode (see _policy._ModeTable), by attribute when the name allows.
+        # The layer's entries in the policy's tables (see _policy._ModeTable), by attribute when the name allows.
         plain = layer_name.isidentifier() and not keyword.iskeyword(layer_name) and not layer_name.startswith("__")
-        lookup = f"policy._table.{layer_name}" if plain else f"getattr(policy._table, {layer_name!r})"
-        body = _BODIES[variant].format(call=call, pack=pack, tracing=_state.TRACING_CHECK, lookup=lookup)
+
+        def entry(table: str) -> str:
+            return f"policy.{table}.{layer_name}" if plain else f"getattr(policy.{table}, {layer_name!r})"
+
+        body = _BODIES[variant].format(
+            call=call,
+            pack=pack,
+            tracing=_state.TRACING_CHECK,
+            lookup=entry("_table"),
+            kernel_on=entry("_kernel_on"),
+            required=entry("_required"),
+        )
         source = f"def make({_CELLS}):\n    def forward(self, {params}):{body}\n    return forward\n"
         filename = f"<kernelpolicy forward {variant} ({params})>"
         namespace: dict[str, Any] = {}
@@ -389,6 +420,7 @@ def make_forward(binding: Binding) -> Callable[..., Any]:
         binding.kernel,
         binding.slow,
         binding.has_backward,
+        binding.can_torch_compile,
     )
     forward.__qualname__ = f"kernelpolicy.{variant}.forward"
     # Bound ahead of time, like the MethodType kernels binds: the module is

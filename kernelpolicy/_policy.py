@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Literal, cast, final
 from ._errors import PolicyError
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
+    from collections.abc import Iterable, Mapping
 
 __all__ = ["ENV_VAR", "MODES", "Mode", "Policy", "current_policy"]
 
@@ -153,11 +153,24 @@ class Policy:
     Policy('verify', atol=0.001)
     """
 
-    __slots__ = ("__weakref__", "_default", "_key", "_logical", "_modes", "_recording", "_table", "_verify")
+    __slots__ = (
+        "__weakref__",
+        "_default",
+        "_kernel_on",
+        "_key",
+        "_logical",
+        "_modes",
+        "_recording",
+        "_required",
+        "_table",
+        "_verify",
+    )
 
     _default: Mode
     _modes: dict[str, Mode]
     _table: _ModeTable
+    _kernel_on: _ModeTable
+    _required: _ModeTable
     _verify: _Verify
     _recording: bool
     _logical: Policy
@@ -307,7 +320,13 @@ def _options(base: _Verify, options: Mapping[str, object]) -> _Verify:
 
 @final
 class _ModeTable:
-    """The resolved mode of every known kernel layer name, as attributes.
+    """An entry for every known kernel layer name, as attributes.
+
+    Each policy has three: ``_table``, the resolved mode (or its recording
+    twin, see :data:`RECORDING`), read by eager calls; ``_kernel_on`` (the mode
+    is not ``disable``) and ``_required`` (it is ``require``), read under
+    TorchDynamo, where they are all a traced program depends on (see
+    ``_dispatch``).
 
     The hot path reads ``policy._table.RMSNorm``. TorchDynamo guards such a
     read on that one attribute's value, where a ``dict.get`` would be guarded
@@ -331,6 +350,15 @@ def _entry(mode: Mode, recording: bool) -> str:
     return RECORDING[mode] if recording else mode
 
 
+def _fill(policy: Policy, names: Iterable[str]) -> None:
+    """Write the entries of ``names`` into ``policy``'s tables (never overwriting one)."""
+    for name in names:
+        mode = policy._modes.get(name, policy._default)
+        policy._table.__dict__.setdefault(name, _entry(mode, policy._recording))
+        policy._kernel_on.__dict__.setdefault(name, mode != "disable")
+        policy._required.__dict__.setdefault(name, mode == "require")
+
+
 def register_layer_name(name: str) -> None:
     """Make ``name`` resolvable as ``policy._table.<name>`` in every policy, now and later."""
     if name in _KNOWN_LAYERS:
@@ -338,8 +366,7 @@ def register_layer_name(name: str) -> None:
     with _INTERN_LOCK:
         if name not in _KNOWN_LAYERS:
             for policy in list(_INTERNED.values()):
-                mode = policy._modes.get(name, policy._default)
-                policy._table.__dict__.setdefault(name, _entry(mode, policy._recording))
+                _fill(policy, (name,))
             _KNOWN_LAYERS.add(name)
 
 
@@ -362,16 +389,15 @@ def _from_key(key: _Key) -> Policy:
         found = _INTERNED.get(key)
         if found is None:
             found = object.__new__(Policy)
-            modes = dict(key[1])
-            table = _ModeTable()
-            table.__dict__.update({name: _entry(modes.get(name, key[0]), recording) for name in _KNOWN_LAYERS})
             object.__setattr__(found, "_default", key[0])
-            object.__setattr__(found, "_modes", modes)
-            object.__setattr__(found, "_table", table)
+            object.__setattr__(found, "_modes", dict(key[1]))
+            for table in ("_table", "_kernel_on", "_required"):
+                object.__setattr__(found, table, _ModeTable())
             object.__setattr__(found, "_verify", key[2])
             object.__setattr__(found, "_recording", recording)
             object.__setattr__(found, "_logical", logical if logical is not None else found)
             object.__setattr__(found, "_key", key)
+            _fill(found, _KNOWN_LAYERS)
             _INTERNED[key] = found
         return found
 

@@ -136,3 +136,16 @@ def test_compiled_calls_follow_policy_but_are_not_counted(kernelized: Callable[.
         torch.testing.assert_close(compiled(X), expected)
     assert calls.total() == 0
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("tracer", ["jit", "fx"])
+def test_traced_calls_are_counted_by_every_tracer(kernelized: Callable[..., DemoModel], tracer: str) -> None:
+    model = kernelized("untraceable")
+    with kp.record_calls() as calls:
+        if tracer == "jit":
+            torch.jit.trace(model, (X,), check_trace=False)  # type: ignore[no-untyped-call]
+        else:
+            torch.fx.symbolic_trace(model)
+    reason = f"kernel cannot be traced under {tracer} (it does not declare can_torch_compile = True)"
+    assert calls.by_layer() == {"RMSNorm": {"original": 3}}
+    assert {key[3] for key, _ in calls.items()} == {reason}

@@ -8,16 +8,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
+import types
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import torch
 import torch._dynamo
 from _helpers import graph_breaks, kernel_ran
+from torch import nn
 
 import kernelpolicy as kp
 from kernelpolicy._demo import DemoModel
@@ -130,7 +133,12 @@ def test_policy_switches_compile_once_per_distinct_policy(kernelized: Callable[.
         # Only the resolved mode of the model's layers matters, not how it was reached.
         ("the model's layer disabled by name", lambda: kp.kernel_policy(RMSNorm="disable"), False, 3),
         ("disable all but the model's layer", lambda: kp.kernel_policy("disable", RMSNorm="prefer"), True, 3),
-        ("require", lambda: kp.kernel_policy("require"), True, 4),
+        # One program, however it is spelled: a traceable kernel under prefer, require or verify,
+        # with or without call recording.
+        ("require", lambda: kp.kernel_policy("require"), True, 3),
+        ("verify", lambda: kp.kernel_policy("verify"), True, 3),
+        ("recording", kp.record_calls, True, 3),
+        ("disabled, recording", lambda: _recording(kp.kernels_disabled()), False, 3),
     ]
     for what, scope, kernel_expected, compiles in steps:
         with scope():
@@ -138,6 +146,12 @@ def test_policy_switches_compile_once_per_distinct_policy(kernelized: Callable[.
         assert kernel_ran(out) is kernel_expected, what
         assert backend.compiles == compiles, what
     assert graph_breaks() == 0
+
+
+@contextlib.contextmanager
+def _recording(scope: contextlib.AbstractContextManager[object]) -> Iterator[None]:
+    with scope, kp.record_calls():
+        yield
 
 
 def test_unrelated_layers_never_recompile_when_first_compile_is_scoped(kernelized: Callable[..., DemoModel]) -> None:
@@ -277,3 +291,85 @@ def test_doctor_command() -> None:
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "[ok] follows the policy of each call" in done.stdout
+
+
+# --- compiles count programs, not policies --------------------------------------------------
+
+_NAMES = ("KpA", "KpB", "KpC")
+
+
+class KpKernel0(nn.Module):
+    can_torch_compile = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + 1
+
+
+class KpKernel1(nn.Module):
+    can_torch_compile = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + 10
+
+
+class KpKernel2(nn.Module):
+    can_torch_compile = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + 100
+
+
+def _three_kernel_layers() -> nn.Sequential:
+    """Three layers with distinct kernel layer names; kernel i adds 10**i (all traceable)."""
+    layers = []
+    for name, kernel_class in zip(_NAMES, (KpKernel0, KpKernel1, KpKernel2), strict=True):
+        layer = type(name, (nn.Module,), {"kernel_layer_name": name, "forward": lambda self, x: x * 1.0})()
+        layer.forward = types.MethodType(kernel_class.forward, layer)  # as kernels binds
+        layers.append(layer)
+    return kp.attach(nn.Sequential(*layers))
+
+
+# The process default's own graphs: a program first compiled while the process default is in
+# effect (no scope, or a scope equal to it) is guarded on the default's identity, so another
+# policy with that program compiles it once more (see the README). These tests take the
+# policies in an order that reaches each program first through another policy.
+def test_64_policies_compile_8_programs_and_recording_adds_none() -> None:
+    compiled = torch.compile(_three_kernel_layers(), backend=(backend := CountingBackend()), fullgraph=True)
+    x = torch.zeros(1)
+    combos = sorted(
+        itertools.product(kp.MODES, repeat=3),
+        key=lambda modes: kp.Policy(**dict(zip(_NAMES, modes, strict=True))) is kp.Policy(),
+    )
+    assert len(combos) == 64
+    for recording in (False, True):
+        for modes in combos:
+            scope = kp.kernel_policy(**dict(zip(_NAMES, modes, strict=True)))
+            with scope, kp.record_calls() if recording else contextlib.nullcontext():
+                out = compiled(x)
+            expected = sum(10.0**i for i, mode in enumerate(modes) if mode != "disable")
+            assert out.item() == expected, (modes, recording)
+        assert backend.compiles == 8, recording  # 2**3 paths; the default recompile limit holds them
+    assert graph_breaks() == 0
+
+
+def test_a_layer_without_kernel_is_one_program_under_prefer_and_disable() -> None:
+    layer = kp.attach(
+        nn.Sequential(type("KpNone", (nn.Module,), {"kernel_layer_name": "KpNone", "forward": lambda self, x: x + 1})())
+    )
+    compiled = torch.compile(layer, backend=(backend := CountingBackend()), fullgraph=True)
+    for mode in ("disable", "prefer", "verify", "prefer"):
+        with kp.kernel_policy(mode):  # type: ignore[arg-type]
+            assert compiled(torch.zeros(1)).item() == 1
+    assert backend.compiles == 1
+    with kp.kernel_policy("require"), pytest.raises(torch._dynamo.exc.Unsupported, match="no kernel bound"):
+        compiled(torch.zeros(1))
+
+
+def test_an_untraceable_kernel_is_one_program_except_require(kernelized: Callable[..., DemoModel]) -> None:
+    model = kernelized("untraceable")
+    compiled = torch.compile(model, backend=(backend := CountingBackend()), fullgraph=True)
+    for scope in (kp.kernels_disabled(), kp.kernel_policy("prefer"), kp.kernel_policy("verify"), kp.record_calls()):
+        with scope:
+            assert not kernel_ran(compiled(X))
+    assert backend.compiles == 1
+    assert graph_breaks() == 0
