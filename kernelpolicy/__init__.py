@@ -24,7 +24,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from ._errors import KernelMismatchError, KernelUnavailableError, PolicyError, ScopeError
-from ._policy import ENV_VAR, MODES, Mode, Policy, current_policy
+from ._policy import ENV_VAR, MODES, Mode, Policy, current_policy, known_layers
 from ._scope import kernel_policy, kernels_disabled, propagate, set_default_policy
 
 if TYPE_CHECKING:
@@ -87,6 +87,7 @@ __all__ = [
     "kernel_policy",
     "kernelize",
     "kernels_disabled",
+    "known_layers",
     "propagate",
     "record_calls",
     "replace_kernel_forward_from_hub",

@@ -38,6 +38,7 @@ import functools
 import inspect
 import sys
 import types
+import weakref
 from typing import TYPE_CHECKING, Any, Final, TypeVar, cast
 
 import torch
@@ -71,7 +72,9 @@ _compat.check_torch()
 
 BINDING = "_kernelpolicy"
 _OURS = ("forward", BINDING)
-_AWARE_CLASSES: dict[type[nn.Module], type[nn.Module]] = {}
+# Original class -> its policy-aware subclass, both held weakly: a class defined at run time
+# (a notebook cell, a test, remote code) is collected with its instances, as without kernelpolicy.
+_AWARE_CLASSES: weakref.WeakKeyDictionary[type[nn.Module], weakref.ref[type[nn.Module]]] = weakref.WeakKeyDictionary()
 
 T = TypeVar("T")
 M = TypeVar("M", bound=nn.Module)
@@ -249,7 +252,8 @@ def _kernel_origin(kernel: Callable[..., Any] | None) -> tuple[type | None, str 
 
 
 def _aware_class(cls: type[nn.Module]) -> type[nn.Module]:
-    found = _AWARE_CLASSES.get(cls)
+    ref = _AWARE_CLASSES.get(cls)
+    found = ref() if ref is not None else None
     if found is None:
         namespace: dict[str, Any] = {
             "__module__": cls.__module__,
@@ -258,7 +262,8 @@ def _aware_class(cls: type[nn.Module]) -> type[nn.Module]:
             "_kernelpolicy_original": cls,
         }
         namespace.update(_aware_members(cls))
-        found = _AWARE_CLASSES.setdefault(cls, type(cls.__name__, (cls,), namespace))
+        found = type(cls.__name__, (cls,), namespace)
+        _AWARE_CLASSES[cls] = weakref.ref(found)
     return found
 
 

@@ -51,6 +51,8 @@ class Explanation:
     rows: tuple[LayerRow, ...]
     policy: str
     state: ExecutionState
+    #: Entries of the policy in effect that name no kernel layer of the model (a typo shows up here).
+    unmatched: tuple[str, ...] = ()
 
     def __iter__(self) -> Iterator[LayerRow]:
         return iter(self.rows)
@@ -95,6 +97,8 @@ class Explanation:
         lines = [f"policy: {self.policy}   state: {self.state}"]
         for line in [header, tuple("-" * w for w in widths), *body]:
             lines.append("  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip())
+        if self.unmatched:
+            lines.append(f"policy entries naming no kernel layer of this model: {', '.join(self.unmatched)}")
         return "\n".join(lines)
 
 
@@ -112,6 +116,13 @@ def explain(model: nn.Module, *, calls: CallCounts | None = None) -> Explanation
     >>> with kernelpolicy.kernel_policy(Double="require"):
     ...     [(row.name, row.mode, row.path, row.reason) for row in kernelpolicy.explain(torch.nn.Sequential(Double()))]
     [('0', 'require', 'error', 'no kernel bound')]
+
+    Policy entries for layer names the model does not have are listed, so a
+    misspelt name does not pass unnoticed:
+
+    >>> with kernelpolicy.kernel_policy(Dobule="disable"):
+    ...     kernelpolicy.explain(torch.nn.Sequential(Double())).unmatched
+    ('Dobule=disable',)
     """
     policy = current_policy()
     state = execution_state()
@@ -158,7 +169,9 @@ def explain(model: nn.Module, *, calls: CallCounts | None = None) -> Explanation
                     policy_aware=False,
                 )
             )
-    return Explanation(rows=tuple(rows), policy=str(policy), state=state)
+    present = {row.layer_name for row in rows}
+    unmatched = tuple(f"{name}={mode}" for name, mode in sorted(policy.layers.items()) if name not in present)
+    return Explanation(rows=tuple(rows), policy=str(policy), state=state, unmatched=unmatched)
 
 
 def _kernel_name(kernel_class: type | None, kernel: object) -> str:

@@ -36,7 +36,7 @@ from ._errors import PolicyError
 if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping
 
-__all__ = ["ENV_VAR", "MODES", "Mode", "Policy", "current_policy"]
+__all__ = ["ENV_VAR", "MODES", "Mode", "Policy", "current_policy", "known_layers"]
 
 Mode = Literal["prefer", "disable", "require", "verify"]
 #: The valid modes, in the order error messages list them.
@@ -368,6 +368,24 @@ def register_layer_name(name: str) -> None:
             for policy in list(_INTERNED.values()):
                 _fill(policy, (name,))
             _KNOWN_LAYERS.add(name)
+
+
+def known_layers() -> frozenset[str]:
+    """The kernel layer names of every policy-aware layer bound so far in this process.
+
+    A policy entry for a name not in here reaches no layer yet (see also
+    ``explain(model).unmatched``).
+
+    >>> import torch, kernelpolicy
+    >>> @kernelpolicy.use_kernel_forward_from_hub("Triple")
+    ... class Triple(torch.nn.Module):
+    ...     def forward(self, x):
+    ...         return 3 * x
+    >>> _ = Triple()
+    >>> "Triple" in kernelpolicy.known_layers()
+    True
+    """
+    return frozenset(_KNOWN_LAYERS)
 
 
 def _make(default: Mode, layers: Mapping[str, object], verify: _Verify = NO_OPTIONS, recording: bool = False) -> Policy:

@@ -319,3 +319,34 @@ def test_defaults_and_variadics_fall_back_to_star_forwarding() -> None:
     with kp.kernels_disabled():
         assert layer(one).item() == 2
         assert layer(one, scale=1.0, k=1, j=2).item() == 3
+
+
+@pytest.mark.parametrize("how", ["attach", "class decorator"])
+def test_classes_defined_at_run_time_are_collected(how: str) -> None:
+    """Policy-aware subclasses keep neither their original classes nor themselves alive (300 of 300 collected)."""
+    import gc
+    import weakref
+
+    refs = []
+    for i in range(300):
+        cls = type(f"RunTime{i}", (nn.Module,), {"forward": lambda self, x: x})
+        if how == "attach":
+            cls.kernel_layer_name = "RunTime"  # type: ignore[attr-defined]
+            kp.attach(nn.Sequential(cls()))(torch.zeros(1))
+        else:
+            kp.use_kernel_forward_from_hub("RunTime")(cls)()(torch.zeros(1))
+        refs.append(weakref.ref(cls))
+        del cls
+    gc.collect()
+    assert sum(ref() is not None for ref in refs) == 0
+
+
+def test_known_layers_and_unmatched_policy_entries(kernelized: Callable[..., DemoModel]) -> None:
+    model = kernelized("exact")
+    assert "RMSNorm" in kp.known_layers()
+    with kp.kernel_policy(RMSnorm="disable", RMSNorm="require"):  # a typo beside the real name
+        explanation = kp.explain(model)
+    assert explanation.unmatched == ("RMSnorm=disable",)
+    assert "RMSnorm" not in kp.known_layers()
+    assert str(explanation).splitlines()[-1] == "policy entries naming no kernel layer of this model: RMSnorm=disable"
+    assert kp.explain(model).unmatched == ()
