@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from ._binding import attach, kernelize, replace_kernel_forward_from_hub, use_kernel_forward_from_hub
     from ._explain import Explanation, LayerRow, explain
     from ._state import ExecutionState, execution_state
+    from ._warmup import WarmupReport, warmup
 
 __version__ = "0.1.0"
 
@@ -51,6 +52,8 @@ _LAZY = {
     "Explanation": "._explain",
     "LayerRow": "._explain",
     "explain": "._explain",
+    "WarmupReport": "._warmup",
+    "warmup": "._warmup",
 }
 
 
@@ -80,6 +83,7 @@ __all__ = [
     "Policy",
     "PolicyError",
     "ScopeError",
+    "WarmupReport",
     "attach",
     "current_policy",
     "execution_state",
@@ -93,4 +97,5 @@ __all__ = [
     "replace_kernel_forward_from_hub",
     "set_default_policy",
     "use_kernel_forward_from_hub",
+    "warmup",
 ]
