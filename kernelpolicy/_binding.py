@@ -171,6 +171,7 @@ def use_kernel_forward_from_hub(layer_name: str) -> Callable[[T], T]:
     policy-aware as soon as it is constructed, so ``require`` raises even
     before any kernelize. On a function, the returned ``Func`` module is.
     """
+    ensure_env()  # KERNELPOLICY holds from the first forward of a marked class
     mark = _compat.kernels().use_kernel_forward_from_hub(layer_name)
 
     def decorator(obj: T) -> T:
@@ -188,6 +189,7 @@ def replace_kernel_forward_from_hub(
     cls: type[nn.Module], layer_name: str, condition: Callable[[nn.Module], bool] | None = None
 ) -> None:
     """Drop-in for ``kernels.replace_kernel_forward_from_hub`` that also makes ``cls`` policy-aware."""
+    ensure_env()
     _compat.kernels().replace_kernel_forward_from_hub(cls, layer_name, condition)
     _make_class_aware(cls)
 

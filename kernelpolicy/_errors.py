@@ -88,3 +88,14 @@ class KernelMismatchError(AssertionError):
             f"kernel output differs from the original forward for {module} ({module_class}, kernel layer "
             f"{layer_name!r}) in {where}: {detail}{numbers}{at}"
         )
+
+    def __reduce__(self) -> tuple[object, ...]:
+        # Keyword-only constructor: pickle (multiprocessing, pytest-xdist) rebuilds from the attributes.
+        return (_rebuild_mismatch, (tuple(getattr(self, name) for name in _MISMATCH_FIELDS),))
+
+
+_MISMATCH_FIELDS = ("path", "layer_name", "module_class", "where", "detail", "max_abs", "max_rel", "index")
+
+
+def _rebuild_mismatch(values: tuple[object, ...]) -> KernelMismatchError:
+    return KernelMismatchError(**dict(zip(_MISMATCH_FIELDS, values, strict=True)))  # type: ignore[arg-type]

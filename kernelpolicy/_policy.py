@@ -441,6 +441,17 @@ class _Defaults:
 DEFAULTS = _Defaults()
 
 
+def _after_fork_in_child() -> None:
+    """A forked child starts with fresh locks: one another thread held at fork time is never released there."""
+    global _INTERN_LOCK
+    _INTERN_LOCK = threading.Lock()
+    DEFAULTS.lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):  # not on Windows
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def ensure_env() -> None:
     """Read ``KERNELPOLICY`` once, at the first use of the public API.
 
