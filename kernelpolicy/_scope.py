@@ -364,10 +364,39 @@ def propagate(fn: F) -> F:
     >>> with ThreadPoolExecutor(1) as pool, kernels_disabled():
     ...     pool.submit(propagate(lambda: str(current_policy()))).result()
     'disable'
+
+    A wrapped plain function pickles by value, so it also goes to a process
+    pool (fork, spawn or forkserver) when ``fn`` itself pickles: the worker
+    process runs it under the same policy. Recorders stay in this process:
+    calls made in another process are not counted here.
     """
     ensure_env()
     current: Policy = DEFAULTS.policy._current
     scope = kernel_policy(current._logical)
     scope._recording = current._recording
     scope._recorders = RECORDERS.get()
-    return scope(fn)
+    wrapped = scope(fn)
+    if inspect.iscoroutinefunction(fn) or inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn):
+        return wrapped
+    return cast("F", _Propagated(fn, current._logical, wrapped))
+
+
+@final
+class _Propagated:
+    """What :func:`propagate` returns for a plain callable: calls it in its scope, pickles as (``fn``, policy)."""
+
+    def __init__(self, fn: Callable[..., Any], policy: Policy, call: Callable[..., Any]) -> None:
+        functools.update_wrapper(self, fn)
+        self._policy = policy
+        self._call = call
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._call(*args, **kwargs)
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_propagated, (self.__wrapped__, self._policy))  # type: ignore[attr-defined]
+
+
+def _propagated(fn: Callable[..., Any], policy: Policy) -> Callable[..., Any]:
+    """``fn`` under ``policy``, rebuilt in another process."""
+    return kernel_policy(policy)(fn)

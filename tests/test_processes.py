@@ -107,3 +107,32 @@ def test_kernelpolicy_variable_holds_on_the_class_decorator_path() -> None:
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode != 0
     assert "KERNELPOLICY='EnvLayer=fast': unknown kernel policy mode 'fast'" in done.stderr
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
+def test_propagate_carries_the_policy_into_a_process_pool(method: str) -> None:
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    from _workers import policy_text
+
+    context = multiprocessing.get_context(method)
+    with ProcessPoolExecutor(1, mp_context=context) as pool:
+        # Started outside any scope: a worker forked inside one would hold that scope (fork copies the
+        # forking thread's context), as any ContextVar does.
+        assert pool.submit(policy_text).result(timeout=120) == "prefer"
+        with kp.kernel_policy("disable", RMSNorm="require"):
+            carried = pool.submit(kp.propagate(policy_text))
+            plain = pool.submit(policy_text)
+        assert carried.result(timeout=120) == "disable,RMSNorm=require"
+        assert plain.result(timeout=120) == "prefer"
+
+
+def test_propagated_function_keeps_its_name_and_pickles_by_value() -> None:
+    from _workers import policy_text
+
+    with kp.kernels_disabled():
+        wrapped = kp.propagate(policy_text)
+    assert wrapped.__name__ == "policy_text" and wrapped.__wrapped__ is policy_text  # type: ignore[attr-defined]
+    assert wrapped() == "disable"
+    assert pickle.loads(pickle.dumps(wrapped))() == "disable"
