@@ -181,6 +181,10 @@ CALL_PATH = tuple(
 GRAPH_BREAK = Internal(
     "require under torch.compile: a graph break that carries the error", ("torch._dynamo.graph_break",)
 )
+#: Not a name to look up but an attribute TorchDynamo reads on functions (``torch.compiler.disable``
+#: sets it); ``_dispatch`` sets it on the function that raises ``require``'s error under compile.
+#: ``tests/test_tracing.py`` (require, fullgraph=False) fails if Dynamo stops honouring it.
+DYNAMO_DISABLE_MARK = "_torchdynamo_disable"
 DYNAMO_COUNTERS = Internal("doctor and tests count graph breaks", ("torch._dynamo.utils.counters",))
 KERNELS_LAYER_CACHE = Internal(
     "explain: which kernel repository a bound kernel came from",

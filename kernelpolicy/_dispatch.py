@@ -57,6 +57,7 @@ import torch.fx._symbolic_trace as _fx  # noqa: F401 - read by the generated for
 from torch.compiler import is_dynamo_compiling as _is_dynamo
 
 from . import _state
+from ._compat import DYNAMO_DISABLE_MARK
 from ._errors import KernelMismatchError, KernelUnavailableError, unavailable_message
 from ._policy import DEFAULTS, PLAIN, RECORDERS, register_layer_name
 
@@ -260,11 +261,14 @@ class Binding:
             )
 
 
-def _raise(binding: Binding, reason: str) -> None:
+def _raise_unavailable(binding: Binding, reason: str) -> None:
     raise binding.error(reason)
 
 
-_raise_unavailable: Callable[[Binding, str], None] = torch.compiler.disable(_raise)  # type: ignore[no-untyped-call]
+# The mark ``torch.compiler.disable`` puts on a function: TorchDynamo calls it eagerly
+# instead of tracing it. Set directly, since ``torch.compiler.disable`` imports TorchDynamo
+# (over a second) at import time. See ``_compat.DYNAMO_DISABLE_MARK``.
+setattr(_raise_unavailable, DYNAMO_DISABLE_MARK, True)
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
