@@ -22,6 +22,7 @@ True
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import re
 import warnings
@@ -96,16 +97,12 @@ def check_torch() -> None:
     check_version("torch", str(torch.__version__))
 
 
+@functools.cache
 def kernels() -> ModuleType:
-    """The ``kernels`` package, once its release is checked."""
+    """The ``kernels`` package, once its release is checked (a refused release raises at every call)."""
     module = importlib.import_module("kernels")
-    if not _kernels_checked:
-        check_version("kernels", metadata.version("kernels"))
-        _kernels_checked.append(True)
+    check_version("kernels", metadata.version("kernels"))
     return module
-
-
-_kernels_checked: list[bool] = []
 
 
 @dataclasses.dataclass(frozen=True)

@@ -111,7 +111,9 @@ def _native_contextvar_get() -> bool:
 def _fast_call() -> str:
     if FAST_CALL:
         return "on (policy-aware classes fold nn.Module.__call__ and _call_impl into one frame)"
-    changed = sorted(torch_call_names() ^ min(_CHECKED_CALL_NAMES, key=lambda names: len(names ^ torch_call_names())))
+    names = torch_call_names()
+    closest = min(_CHECKED_CALL_NAMES, key=lambda checked: len(checked ^ names))
+    changed = sorted(names ^ closest)
     return (
         f"off: this torch's nn.Module call path differs from the one checked in names {changed}; "
         "module(...) goes through nn.Module.__call__ (correct, one Python frame slower)"

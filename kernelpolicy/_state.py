@@ -75,7 +75,7 @@ def _reader(source: str) -> Any:
     return eval(f"lambda: {source}", {"__builtins__": {}, **TRACING_NAMES})  # fixed sources, above
 
 
-_HAS_EXPORT_FLAG: Final = first_present(EXPORTING_FLAG) is not None
+_HAS_EXPORT_FLAG: Final = READERS["export"] == "_compiler._is_exporting_flag"
 _exporting = _reader(READERS["export"])
 _compiling = _reader(READERS["compile"])
 _fx_tracing = _reader(READERS["fx"])
