@@ -3,9 +3,11 @@
 Wall-clock ratios on a small shared machine move by several percent between
 runs (the A/A control rows of ``benchmarks.run`` show it). Instruction counts
 do not: ``valgrind --tool=callgrind`` counts the instructions a program
-executes, the same for the same binary and inputs whatever else the machine
-does (with string hashing fixed: the children run with ``PYTHONHASHSEED=0``;
-with random hash seeds the counts moved by 0.5 % between runs). They are not time (a cache miss or a branch costs no instruction), but
+executes, the same for the same command on the same machine and checkout
+whatever else the machine does (with string hashing fixed: the children run with ``PYTHONHASHSEED=0``;
+with random hash seeds the counts moved by 0.5 % between runs). Counts do move
+between machines and checkouts (the A/A control, two identical modules,
+read 1.000 on one machine, 1.05 and 0.85 on others): compare rows of one run. They are not time (a cache miss or a branch costs no instruction), but
 the eager dispatch overhead is interpreter work, where instructions and time
 go together.
 
@@ -148,7 +150,7 @@ def _child(name: str, calls: int, under_valgrind: bool) -> None:
 # --- the parent: run the children, difference, report ---------------------------------------------------
 
 
-def _count(name: str, calls: int, out_dir: Path) -> int:
+def count(name: str, calls: int, out_dir: Path) -> int:
     """Instructions callgrind collected inside ``functools.reduce`` for ``calls`` iterations of ``name``."""
     index = list(VARIANTS).index(name)
     command = [
@@ -183,7 +185,7 @@ def measure(names: Sequence[str], calls: int, jobs: int = 2) -> dict[str, dict[s
     wanted = list(dict.fromkeys([HARNESS, *(VARIANTS[n].baseline for n in names), *names]))
     runs = [(name, k) for name in wanted for k in (calls, 2 * calls)]
     with tempfile.TemporaryDirectory(prefix="kernelpolicy-callgrind-") as tmp, ThreadPoolExecutor(jobs) as pool:
-        counts = dict(zip(runs, pool.map(lambda run: _count(run[0], run[1], Path(tmp)), runs), strict=True))
+        counts = dict(zip(runs, pool.map(lambda run: count(run[0], run[1], Path(tmp)), runs), strict=True))
     raw = {name: (counts[name, 2 * calls] - counts[name, calls]) / calls for name in wanted}
     results: dict[str, dict[str, float]] = {}
     for name in wanted:
