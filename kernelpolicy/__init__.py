@@ -23,8 +23,9 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from ._active import current_policy, known_layers
 from ._errors import KernelMismatchError, KernelUnavailableError, PolicyError, ScopeError
-from ._policy import ENV_VAR, MODES, Mode, Policy, current_policy, known_layers
+from ._policy import ENV_VAR, MODES, Mode, Policy
 from ._scope import kernel_policy, kernels_disabled, propagate, set_default_policy
 
 if TYPE_CHECKING:

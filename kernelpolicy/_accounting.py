@@ -3,9 +3,9 @@
 This module owns :func:`record_calls` and :class:`CallCounts`.
 
 Recording costs nothing when it is not in use: the forward's fast exits are
-untouched. Inside ``record_calls()`` the policy in effect is the *recording
-twin* of the logical one (``Policy.recorded(True)``: same modes, but table
-entries the fast exits do not know), so every call takes the slow path, which
+untouched. Inside ``record_calls()`` the forwards read the recording
+:class:`~kernelpolicy._active.Active` of the policy in effect (same policy,
+but mode entries the fast exits do not know), so every call takes the slow path, which
 decides as usual and adds one count to every active recorder. Recorders
 follow the ContextVar rules (per thread, per task); :func:`~kernelpolicy.propagate`
 carries them into workers. Calls inside a ``torch.compile``d graph are not
@@ -19,7 +19,7 @@ import contextlib
 import threading
 from typing import TYPE_CHECKING, final
 
-from ._policy import RECORDERS
+from ._active import RECORDERS
 from ._scope import kernel_policy
 
 if TYPE_CHECKING:

@@ -53,8 +53,8 @@ from torch.nn.modules.module import (  # the names nn.Module._call_impl reads, f
 )
 
 from . import _compat
+from ._active import DEFAULTS, ensure_env
 from ._dispatch import Binding, make_forward
-from ._policy import DEFAULTS, ensure_env
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
@@ -402,7 +402,7 @@ def _aware_members(cls: type[nn.Module]) -> dict[str, Any]:
             tracing_state.push_scope(scope)
         try:
             # The same table entry the eager forward reads, so recorded calls are counted here too.
-            mode = getattr(DEFAULTS.policy._current._table, binding.layer_name)
+            mode = getattr(DEFAULTS.active._current.modes, binding.layer_name)
             return binding.slow(mode, args, kwargs, "jit")
         finally:
             if scope:

@@ -4,8 +4,8 @@ This module owns :func:`decide` (the decision table, a pure function used by
 the slow path and by ``explain``) and :func:`make_forward`, which builds the
 closure a policy-aware module calls as its ``forward``.
 
-The closure reads the policy once (``DEFAULTS.policy._current``, see
-``_policy``), looks up the layer's mode, and takes a fast exit in the common
+The closure reads the policy once (``DEFAULTS.active._current``, see
+``_active``), looks up the layer's mode, and takes a fast exit in the common
 cases: ``disable``; a usable kernel under ``prefer`` or ``require``; no
 kernel under ``prefer``. Everything else (``verify``, recorded calls, a
 tracer, a kernel without backward while training) goes to
@@ -57,9 +57,9 @@ import torch.fx._symbolic_trace as _fx  # noqa: F401 - read by the generated for
 from torch.compiler import is_dynamo_compiling as _is_dynamo
 
 from . import _state
+from ._active import DEFAULTS, PLAIN, RECORDERS, register_layer_name
 from ._compat import DYNAMO_DISABLE_MARK
 from ._errors import KernelMismatchError, KernelUnavailableError, unavailable_message
-from ._policy import DEFAULTS, PLAIN, RECORDERS, register_layer_name
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -210,7 +210,7 @@ class Binding:
         """Run the original (on cloned inputs) and the kernel; compare; return the kernel's output."""
         from ._verify import BufferState, clone_tensors, compare
 
-        policy = DEFAULTS.policy._current
+        policy = DEFAULTS.active._current.policy
         kernel = self.kernel
         assert kernel is not None
         devices = sorted({t.device.index or 0 for t in _tensors((args, kwargs)) if t.is_cuda})
@@ -296,14 +296,14 @@ def _class_name(module: nn.Module) -> str:
 # layer is a closure cell filled by ``_factory``.
 # Under TorchDynamo (``_is_dynamo()`` folds to a constant there) each body reads
 # only what its traced program depends on: whether the kernel is on
-# (``policy._kernel_on``: any mode but ``disable``) and, where an error can be
-# due, whether it is required (``policy._required``). Dynamo guards on exactly
+# (``active.kernel_on``: any mode but ``disable``) and, where an error can be
+# due, whether it is required (``active.required``). Dynamo guards on exactly
 # those reads, so policies that spell one program differently (``prefer``,
 # ``require`` and ``verify`` on a traceable kernel; ``prefer`` and ``disable`` on
 # a layer without kernel; any mode with call recording) share one compiled graph.
 _BODIES: dict[str, str] = {
     "without_kernel": """
-        policy = DEFAULTS.policy._current
+        active = DEFAULTS.active._current
         if _is_dynamo():
             if {required}:
                 return slow("require", {pack})
@@ -313,7 +313,7 @@ _BODIES: dict[str, str] = {
             return original(self, {call})
         return slow(mode, {pack})""",
     "always_usable": """
-        policy = DEFAULTS.policy._current
+        active = DEFAULTS.active._current
         if _is_dynamo():
             if {kernel_on}:
                 return kernel(self, {call})
@@ -325,7 +325,7 @@ _BODIES: dict[str, str] = {
             return original(self, {call})
         return slow(mode, {pack})""",
     "general": """
-        policy = DEFAULTS.policy._current
+        active = DEFAULTS.active._current
         if _is_dynamo():
             if traceable and {kernel_on}:
                 return slow("require" if {required} else "prefer", {pack})
@@ -356,7 +356,7 @@ def _parameters(function: Callable[..., Any]) -> tuple[str, str, str]:
         params = list(inspect.signature(function, follow_wrapped=False).parameters.values())[1:]
     except (TypeError, ValueError):
         return star
-    reserved = {*_CELLS.replace(" ", "").split(","), *globals(), "self", "policy", "mode", "args", "kwargs"}
+    reserved = {*_CELLS.replace(" ", "").split(","), *globals(), "self", "active", "mode", "args", "kwargs"}
     for param in params:
         if (
             param.default is not param.empty
@@ -383,19 +383,19 @@ def _factory(variant: str, function: Callable[..., Any], layer_name: str) -> Cal
     key = (variant, params, call, pack, layer_name)
     found = _FACTORIES.get(key)
     if found is None:
-        # The layer's entries in the policy's tables (see _policy._ModeTable), by attribute when the name allows.
+        # The layer's entries in the Active's tables (see _active.Active), by attribute when the name allows.
         plain = layer_name.isidentifier() and not keyword.iskeyword(layer_name) and not layer_name.startswith("__")
 
         def entry(table: str) -> str:
-            return f"policy.{table}.{layer_name}" if plain else f"getattr(policy.{table}, {layer_name!r})"
+            return f"active.{table}.{layer_name}" if plain else f"getattr(active.{table}, {layer_name!r})"
 
         body = _BODIES[variant].format(
             call=call,
             pack=pack,
             tracing=_state.TRACING_CHECK,
-            lookup=entry("_table"),
-            kernel_on=entry("_kernel_on"),
-            required=entry("_required"),
+            lookup=entry("modes"),
+            kernel_on=entry("kernel_on"),
+            required=entry("required"),
         )
         source = f"def make({_CELLS}):\n    def forward(self, {params}):{body}\n    return forward\n"
         filename = f"<kernelpolicy forward {variant} ({params})>"

@@ -9,7 +9,7 @@ the doctor checks them for real on this install:
   run by ``torch.compile``, ``torch.export`` (strict and non-strict),
   ``torch.fx.symbolic_trace`` and ``torch.jit.trace`` names that tracer;
 - the compile path, which rests on TorchDynamo tracing and guarding a read
-  of ``property(ContextVar.get)`` (see ``_policy``): one compiled model,
+  of ``property(ContextVar.get)`` (see ``_active``): one compiled model,
   ``fullgraph=True``, called under alternating policies in this thread and in
   a fresh thread, must follow each policy with no graph break, no stale graph
   and exactly one compile per distinct policy.
@@ -35,7 +35,7 @@ from ._scope import kernel_policy, kernels_disabled
 __all__ = ["DoctorReport", "doctor"]
 
 MECHANISM = (
-    "policy read as DEFAULTS.policy._current, a property whose getter is ContextVar.get "
+    "policy read as DEFAULTS.active._current, a property whose getter is ContextVar.get "
     "(traced and guarded by TorchDynamo; no direct ContextVar.get call in traced code)"
 )
 

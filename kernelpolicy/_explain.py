@@ -12,8 +12,8 @@ import dataclasses
 import types
 from typing import TYPE_CHECKING
 
+from ._active import current_policy
 from ._binding import binding_of, kernel_modules
-from ._policy import Mode, current_policy
 from ._state import ExecutionState, execution_state
 
 if TYPE_CHECKING:
@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 
     from ._accounting import CallCounts
     from ._dispatch import Path
+    from ._policy import Mode
 
 __all__ = ["Explanation", "LayerRow", "explain"]
 

@@ -1,42 +1,29 @@
-"""Policy values and the state that holds the one in effect.
+"""Policy values: modes, the :class:`Policy` value and its text syntax.
 
 This module owns:
 
-- the modes (``prefer``, ``disable``, ``require``) and their validation;
-- :class:`Policy`, an immutable, hashable, interned value: a default mode plus
-  per-layer modes keyed by kernel layer name;
+- the modes (``prefer``, ``disable``, ``require``, ``verify``) and their validation;
+- :class:`Policy`, a plain immutable value: a default mode, per-layer modes
+  keyed by kernel layer name and the options of ``verify``; equal, hashable
+  and pickled by content;
 - the text syntax shared by the ``KERNELPOLICY`` variable and
-  :meth:`Policy.parse` (``"prefer,RMSNorm=disable,SiLU=require"``);
-- the state: one :class:`contextvars.ContextVar` for scoped policies and one
-  process-wide default (``set_default_policy`` or ``KERNELPOLICY`` or the
-  built-in ``prefer``).
+  :meth:`Policy.parse` (``"prefer,RMSNorm=disable,SiLU=require"``).
 
-How the policy in effect is read (the hot path does exactly this)::
-
-    DEFAULTS.policy._current
-
-``_current`` is ``property(_SCOPED.get)``: the ContextVar's builtin ``get``
-called with the process default as its own fallback, so an unset variable
-yields the process default itself. TorchDynamo traces this read without a
-graph break and guards on it, which is what makes a compiled model honour the
-caller's scope (see ``_dispatch``).
+A policy holds no dispatch machinery: what the forwards read, and the state
+that says which policy is in effect, are in ``_active``.
 """
 
 from __future__ import annotations
 
-import os
-import threading
-import weakref
-from contextvars import ContextVar
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Literal, cast, final
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, final
 
 from ._errors import PolicyError
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable, Mapping
+    from collections.abc import Mapping
 
-__all__ = ["ENV_VAR", "MODES", "Mode", "Policy", "current_policy", "known_layers"]
+__all__ = ["ENV_VAR", "MODES", "Mode", "Policy"]
 
 Mode = Literal["prefer", "disable", "require", "verify"]
 #: The valid modes, in the order error messages list them.
@@ -44,25 +31,30 @@ MODES: tuple[Mode, ...] = ("prefer", "disable", "require", "verify")
 OnMismatch = Literal["raise", "warn"]
 #: Keyword arguments of a policy that are options of ``verify``, not layer names.
 VERIFY_OPTIONS = ("atol", "rtol", "on_mismatch")
-#: What a policy's table holds for a mode while calls are recorded: a value the
-#: forward's fast exits do not know, so every call takes the slow path that records.
-RECORDING: dict[str, str] = {mode: f"{mode}+record" for mode in MODES}
-PLAIN: dict[str, Mode] = {f"{mode}+record": mode for mode in MODES}
-#: The environment variable read once, at the first use of the library.
+#: The environment variable that sets the process default (read in ``_active``).
 ENV_VAR = "KERNELPOLICY"
 
 _VALID = ", ".join(repr(m) for m in MODES)
 _FORBIDDEN_IN_NAMES = frozenset(",= \t\r\n")
 
-# (default, sorted layer modes, verify options, recording)
-_Verify = tuple[float | None, float | None, str]
-_Key = tuple[Mode, tuple[tuple[str, Mode], ...], _Verify, bool]
-NO_OPTIONS: _Verify = (None, None, "raise")
 
-# Scoped policies. Unset means "no scope active in this context".
-_SCOPED: ContextVar[Policy] = ContextVar("kernelpolicy.scoped")
-# The record_calls() recorders active in this context (read in the slow path only).
-RECORDERS: ContextVar[tuple[Any, ...]] = ContextVar("kernelpolicy.recorders", default=())
+class VerifyOptions(NamedTuple):
+    """The options of ``verify``: tolerances (None: by dtype) and what a mismatch does."""
+
+    atol: float | None = None
+    rtol: float | None = None
+    on_mismatch: OnMismatch = "raise"
+
+
+NO_OPTIONS = VerifyOptions()
+
+
+class _Key(NamedTuple):
+    """What a policy is: equality, hashing and pickling use exactly this."""
+
+    default: Mode
+    layers: tuple[tuple[str, Mode], ...]  # sorted by name; entries equal to the default dropped
+    options: VerifyOptions
 
 
 def check_mode(value: object, what: str) -> Mode:
@@ -135,17 +127,16 @@ class Policy:
     and the original, compare, return the kernel's output; ``atol``,
     ``rtol`` and ``on_mismatch="raise"|"warn"`` tune it).
 
-    Policies are interned: equal policies are the same object, so comparing
-    them is an identity check and a scope equal to the enclosing one never
-    looks like a change (to Python or to ``torch.compile``'s guards). Layer
-    entries equal to the default are dropped, so ``Policy("prefer",
-    RMSNorm="prefer") is Policy("prefer")``.
+    A policy is a plain value: two policies with the same modes and options
+    are equal and hash alike, however they were written, and a policy pickles
+    as its content. Layer entries equal to the default are dropped, so
+    ``Policy("prefer", RMSNorm="prefer") == Policy("prefer")``.
 
     >>> from kernelpolicy import Policy
     >>> p = Policy("prefer", RMSNorm="disable")
     >>> p.mode_for("RMSNorm"), p.mode_for("SiLU")
     ('disable', 'prefer')
-    >>> p is Policy.parse("RMSNorm=disable, prefer")
+    >>> p == Policy.parse("RMSNorm=disable, prefer")
     True
     >>> str(p)
     'prefer,RMSNorm=disable'
@@ -153,41 +144,20 @@ class Policy:
     Policy('verify', atol=0.001)
     """
 
-    __slots__ = (
-        "__weakref__",
-        "_default",
-        "_kernel_on",
-        "_key",
-        "_logical",
-        "_modes",
-        "_recording",
-        "_required",
-        "_table",
-        "_verify",
-    )
+    __slots__ = ("_hash", "_key", "_modes")
 
-    _default: Mode
-    _modes: dict[str, Mode]
-    _table: _ModeTable
-    _kernel_on: _ModeTable
-    _required: _ModeTable
-    _verify: _Verify
-    _recording: bool
-    _logical: Policy
     _key: _Key
+    _modes: dict[str, Mode]
+    _hash: int
 
     def __new__(cls, default: Mode = "prefer", /, **layers: Any) -> Policy:
         modes, options = split_options(layers)
         return _make(check_mode(default, "the default"), modes, _options(NO_OPTIONS, options))
 
-    # The scoped policy, or this object when no scope is active. Read it as
-    # ``DEFAULTS.policy._current`` (see the module docstring).
-    _current = property(_SCOPED.get)
-
     @property
     def default(self) -> Mode:
         """The mode of every layer this policy does not name."""
-        return self._default
+        return self._key.default
 
     @property
     def layers(self) -> Mapping[str, Mode]:
@@ -195,23 +165,28 @@ class Policy:
         return MappingProxyType(self._modes)
 
     @property
+    def options(self) -> VerifyOptions:
+        """The options of ``verify``."""
+        return self._key.options
+
+    @property
     def atol(self) -> float | None:
         """``verify``'s absolute tolerance (None: by dtype)."""
-        return self._verify[0]
+        return self._key.options.atol
 
     @property
     def rtol(self) -> float | None:
         """``verify``'s relative tolerance (None: by dtype)."""
-        return self._verify[1]
+        return self._key.options.rtol
 
     @property
     def on_mismatch(self) -> OnMismatch:
         """What ``verify`` does on a mismatch: ``"raise"`` or ``"warn"``."""
-        return cast("OnMismatch", self._verify[2])
+        return self._key.options.on_mismatch
 
     def mode_for(self, layer_name: str) -> Mode:
         """The mode for layers marked with kernel layer name ``layer_name``."""
-        return self._modes.get(layer_name, self._default)
+        return self._modes.get(layer_name, self._key.default)
 
     def overlay(
         self, default: Mode | None, layers: Mapping[str, Mode], options: Mapping[str, object] | None = None
@@ -220,20 +195,17 @@ class Policy:
 
         A non-``None`` ``default`` names every layer, so the result ignores
         this policy's modes altogether; otherwise only ``layers`` change.
-        Options not given are kept; recording is kept.
-        """
-        verify = _options(self._verify, options or {})
-        if default is not None:
-            return _make(default, layers, verify, self._recording)
-        if not layers and verify == self._verify:
-            return self
-        return _make(self._default, {**self._modes, **layers}, verify, self._recording)
+        Options not given are kept.
 
-    def recorded(self, recording: bool) -> Policy:
-        """This policy with call recording switched on or off (see ``record_calls``)."""
-        if recording == self._recording:
+        >>> Policy("disable", SiLU="require").overlay(None, {"RMSNorm": "prefer"})
+        Policy('disable', RMSNorm='prefer', SiLU='require')
+        """
+        verify = _options(self._key.options, options or {})
+        if default is not None:
+            return _make(default, layers, verify)
+        if not layers and verify == self._key.options:
             return self
-        return _from_key((self._key[0], self._key[1], self._key[2], recording))
+        return _make(self._key.default, {**self._modes, **layers}, verify)
 
     @classmethod
     def parse(cls, text: str, *, source: str | None = None) -> Policy:
@@ -283,15 +255,22 @@ class Policy:
         return _make(default if default is not None else "prefer", layers, _options(NO_OPTIONS, options))
 
     def _option_items(self) -> list[tuple[str, object]]:
-        names = ("atol", "rtol", "on_mismatch")
-        return [(n, v) for n, v, d in zip(names, self._verify, NO_OPTIONS, strict=True) if v != d]
+        return [(n, v) for n, v, d in zip(VerifyOptions._fields, self._key.options, NO_OPTIONS, strict=True) if v != d]
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Policy):
+            return self is other or self._key == other._key
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return self._hash
 
     def __str__(self) -> str:
-        entries = [self._default, *(f"{name}={mode}" for name, mode in self._key[1])]
+        entries = [self._key.default, *(f"{name}={mode}" for name, mode in self._key.layers)]
         return ",".join(entries + [f"{name}={value}" for name, value in self._option_items()])
 
     def __repr__(self) -> str:
-        args = [repr(self._default), *(f"{name}={mode!r}" for name, mode in self._key[1])]
+        args = [repr(self._key.default), *(f"{name}={mode!r}" for name, mode in self._key.layers)]
         args += [f"{name}={value!r}" for name, value in self._option_items()]
         return f"Policy({', '.join(args)})"
 
@@ -302,7 +281,8 @@ class Policy:
         raise AttributeError(f"Policy is immutable; cannot delete {name!r}")
 
     def __reduce__(self) -> tuple[object, ...]:
-        return (_from_key, (self._key,))
+        key = self._key
+        return (_restore, (key.default, key.layers, tuple(key.options)))
 
     def __copy__(self) -> Policy:
         return self
@@ -311,187 +291,31 @@ class Policy:
         return self
 
 
-def _options(base: _Verify, options: Mapping[str, object]) -> _Verify:
-    atol = options.get("atol", base[0])
-    rtol = options.get("rtol", base[1])
-    on_mismatch = options.get("on_mismatch", base[2])
-    return (cast("float | None", atol), cast("float | None", rtol), str(on_mismatch))
+def _options(base: VerifyOptions, options: Mapping[str, object]) -> VerifyOptions:
+    return base._replace(**options) if options else base  # type: ignore[arg-type]  # checked by check_verify_options
 
 
-@final
-class _ModeTable:
-    """An entry for every known kernel layer name, as attributes.
-
-    Each policy has three: ``_table``, the resolved mode (or its recording
-    twin, see :data:`RECORDING`), read by eager calls; ``_kernel_on`` (the mode
-    is not ``disable``) and ``_required`` (it is ``require``), read under
-    TorchDynamo, where they are all a traced program depends on (see
-    ``_dispatch``).
-
-    The hot path reads ``policy._table.RMSNorm``. TorchDynamo guards such a
-    read on that one attribute's value, where a ``dict.get`` would be guarded
-    on the whole dict and a fallback to the default on how the mode was
-    derived. So a compiled model recompiles only when the mode of one of
-    *its* layers changes: policies that differ in other layers, or that reach
-    the same mode through the default or an explicit entry, share its graphs.
-
-    "Known" names are those of policy-aware layers (:func:`register_layer_name`,
-    called when a layer is bound); registering a name adds its resolved mode
-    to every live policy's table. Entries never change once written.
-    """
-
-
-_INTERNED: weakref.WeakValueDictionary[_Key, Policy] = weakref.WeakValueDictionary()
-_INTERN_LOCK = threading.Lock()
-_KNOWN_LAYERS: set[str] = set()
-
-
-def _entry(mode: Mode, recording: bool) -> str:
-    return RECORDING[mode] if recording else mode
-
-
-def _fill(policy: Policy, names: Iterable[str]) -> None:
-    """Write the entries of ``names`` into ``policy``'s tables (never overwriting one)."""
-    for name in names:
-        mode = policy._modes.get(name, policy._default)
-        policy._table.__dict__.setdefault(name, _entry(mode, policy._recording))
-        policy._kernel_on.__dict__.setdefault(name, mode != "disable")
-        policy._required.__dict__.setdefault(name, mode == "require")
-
-
-def register_layer_name(name: str) -> None:
-    """Make ``name`` resolvable as ``policy._table.<name>`` in every policy, now and later."""
-    if name in _KNOWN_LAYERS:
-        return
-    with _INTERN_LOCK:
-        if name not in _KNOWN_LAYERS:
-            for policy in list(_INTERNED.values()):
-                _fill(policy, (name,))
-            _KNOWN_LAYERS.add(name)
-
-
-def known_layers() -> frozenset[str]:
-    """The kernel layer names of every policy-aware layer bound so far in this process.
-
-    A policy entry for a name not in here reaches no layer yet (see also
-    ``explain(model).unmatched``).
-
-    >>> import torch, kernelpolicy
-    >>> @kernelpolicy.use_kernel_forward_from_hub("Triple")
-    ... class Triple(torch.nn.Module):
-    ...     def forward(self, x):
-    ...         return 3 * x
-    >>> _ = Triple()
-    >>> "Triple" in kernelpolicy.known_layers()
-    True
-    """
-    return frozenset(_KNOWN_LAYERS)
-
-
-def _make(default: Mode, layers: Mapping[str, object], verify: _Verify = NO_OPTIONS, recording: bool = False) -> Policy:
+def _make(default: Mode, layers: Mapping[str, object], options: VerifyOptions = NO_OPTIONS) -> Policy:
     modes: dict[str, Mode] = {}
-    for name, mode in layers.items():
+    for name, mode in sorted(layers.items()):
         checked = check_mode(mode, f"layer {check_layer_name(name)!r}")
         if checked != default:
             modes[name] = checked
-    return _from_key((default, tuple(sorted(modes.items())), verify, recording))
+    policy = object.__new__(Policy)
+    key = _Key(default, tuple(modes.items()), options)
+    object.__setattr__(policy, "_key", key)
+    object.__setattr__(policy, "_modes", modes)
+    object.__setattr__(policy, "_hash", hash(key))
+    return policy
 
 
-def _from_key(key: _Key) -> Policy:
-    found = _INTERNED.get(key)
-    if found is not None:
-        return found
-    recording = key[3]
-    logical = _from_key((*key[:3], False)) if recording else None  # before taking the (non-reentrant) lock
-    with _INTERN_LOCK:
-        found = _INTERNED.get(key)
-        if found is None:
-            found = object.__new__(Policy)
-            object.__setattr__(found, "_default", key[0])
-            object.__setattr__(found, "_modes", dict(key[1]))
-            for table in ("_table", "_kernel_on", "_required"):
-                object.__setattr__(found, table, _ModeTable())
-            object.__setattr__(found, "_verify", key[2])
-            object.__setattr__(found, "_recording", recording)
-            object.__setattr__(found, "_logical", logical if logical is not None else found)
-            object.__setattr__(found, "_key", key)
-            _fill(found, _KNOWN_LAYERS)
-            _INTERNED[key] = found
-        return found
+def _restore(default: object, layers: object, options: object) -> Policy:
+    """A pickled policy, checked again (a pickle is data from outside)."""
+    if not isinstance(layers, tuple) or not isinstance(options, tuple) or len(options) != len(VerifyOptions._fields):
+        raise PolicyError(f"not a pickled Policy: {(default, layers, options)!r}")
+    given = {name: value for name, value in zip(VerifyOptions._fields, options, strict=True) if value is not None}
+    checked = check_verify_options(given)
+    return _make(check_mode(default, "the default"), dict(layers), _options(NO_OPTIONS, checked))
 
 
 BUILTIN: Policy = Policy("prefer")
-
-
-@final
-class _Defaults:
-    """The process-wide part of the state (one instance, :data:`DEFAULTS`)."""
-
-    __slots__ = ("env", "env_loaded", "explicit", "lock", "policy")
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        #: What unscoped code sees: ``explicit`` or ``env`` or :data:`BUILTIN`.
-        self.policy: Policy = BUILTIN
-        self.explicit: Policy | None = None
-        self.env: Policy | None = None
-        self.env_loaded = False
-
-
-DEFAULTS = _Defaults()
-
-
-def _after_fork_in_child() -> None:
-    """A forked child starts with fresh locks: one another thread held at fork time is never released there."""
-    global _INTERN_LOCK
-    _INTERN_LOCK = threading.Lock()
-    DEFAULTS.lock = threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):  # not on Windows
-    os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-def ensure_env() -> None:
-    """Read ``KERNELPOLICY`` once, at the first use of the public API.
-
-    An empty or unset variable means the built-in ``prefer``. A malformed one
-    raises :class:`PolicyError` naming the variable, the bad token and the
-    valid modes (and is read again at the next use, so a fixed value works).
-    """
-    if DEFAULTS.env_loaded:
-        return
-    with DEFAULTS.lock:
-        if DEFAULTS.env_loaded:
-            return
-        text = os.environ.get(ENV_VAR, "")
-        env = Policy.parse(text, source=ENV_VAR) if text.strip() else None
-        DEFAULTS.env = env
-        if DEFAULTS.explicit is None:
-            DEFAULTS.policy = env if env is not None else BUILTIN
-        DEFAULTS.env_loaded = True
-
-
-def reload_env() -> Policy | None:
-    """Forget the cached ``KERNELPOLICY`` value and read it again (for tests and tools)."""
-    with DEFAULTS.lock:
-        DEFAULTS.env_loaded = False
-        DEFAULTS.env = None
-        if DEFAULTS.explicit is None:
-            DEFAULTS.policy = BUILTIN
-    ensure_env()
-    return DEFAULTS.env
-
-
-def current_policy() -> Policy:
-    """The policy in effect in this thread or task.
-
-    The innermost active scope, else the process default.
-
-    >>> import kernelpolicy
-    >>> with kernelpolicy.kernel_policy(RMSNorm="disable"):
-    ...     kernelpolicy.current_policy().mode_for("RMSNorm")
-    'disable'
-    """
-    ensure_env()
-    return cast("Policy", DEFAULTS.policy._current)._logical

@@ -35,21 +35,11 @@ import contextvars
 import functools
 import inspect
 from contextvars import ContextVar, Token
-from typing import TYPE_CHECKING, Any, TypeVar, cast, final
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar, cast, final
 
+from ._active import _SCOPED, DEFAULTS, RECORDERS, Active, activate, ensure_env
 from ._errors import PolicyError, ScopeError
-from ._policy import (
-    _SCOPED,
-    BUILTIN,
-    DEFAULTS,
-    RECORDERS,
-    Mode,
-    Policy,
-    check_layer_name,
-    check_mode,
-    ensure_env,
-    split_options,
-)
+from ._policy import BUILTIN, Mode, Policy, check_layer_name, check_mode, split_options
 
 if TYPE_CHECKING:
     from collections.abc import AsyncGenerator, Awaitable, Callable, Generator, Mapping
@@ -59,9 +49,16 @@ __all__ = ["kernel_policy", "kernels_disabled", "propagate", "set_default_policy
 
 F = TypeVar("F", bound="Callable[..., Any]")
 
-# (scope, token of its _SCOPED.set, token of its RECORDERS.set or None, enclosing
-# frame): the entries of this context.
-_Frame = tuple["kernel_policy", Token[Policy], "Token[tuple[Any, ...]] | None", "Any"]
+
+class _Frame(NamedTuple):
+    """One entered scope of this context (a linked list through ``enclosing``)."""
+
+    scope: kernel_policy
+    token: Token[Active]
+    recorders: Token[tuple[Any, ...]] | None
+    enclosing: _Frame | None
+
+
 _FRAMES: ContextVar[_Frame | None] = ContextVar("kernelpolicy.frames", default=None)
 _CACHE_LIMIT = 64
 
@@ -78,7 +75,7 @@ def _validated(
                 f"give either a Policy or layer modes and options, not both (got {mode!r} and "
                 f"{sorted([*checked, *options])})"
             )
-        return mode._logical, None, {}, {}
+        return mode, None, {}, {}
     if mode is None:
         return None, None, checked, options
     return None, check_mode(mode, "the default"), checked, options
@@ -113,21 +110,19 @@ class kernel_policy:  # noqa: N801 - lowercase like numpy.errstate and decimal.l
 
     def __init__(self, mode: Mode | Policy | None = None, /, **layers: Any) -> None:
         self._fixed, self._mode, self._layers, self._options = _validated(mode, layers)
-        self._cache: dict[Policy, Policy] = {}
+        self._cache: dict[Active, Active] = {}
         # Internal (record_calls, propagate): switch recording, install recorders.
         self._recording: bool | None = None
         self._recorders: tuple[Any, ...] | None = None
 
-    def resolve(self, enclosing: Policy) -> Policy:
-        """The policy this scope puts in effect inside ``enclosing``."""
+    def resolve(self, enclosing: Active) -> Active:
+        """What this scope puts in effect inside ``enclosing`` (recording is inherited unless set here)."""
         found = self._cache.get(enclosing)
         if found is None:
-            if self._fixed is not None:
-                found = self._fixed.recorded(enclosing._recording)
-            else:
-                found = enclosing.overlay(self._mode, self._layers, self._options)
-            if self._recording is not None:
-                found = found.recorded(self._recording)
+            policy = self._fixed
+            if policy is None:
+                policy = enclosing.policy.overlay(self._mode, self._layers, self._options)
+            found = activate(policy, enclosing.recording if self._recording is None else self._recording)
             if len(self._cache) >= _CACHE_LIMIT:
                 self._cache.clear()
             self._cache[enclosing] = found
@@ -135,11 +130,11 @@ class kernel_policy:  # noqa: N801 - lowercase like numpy.errstate and decimal.l
 
     def __enter__(self) -> Policy:
         ensure_env()
-        policy = self.resolve(DEFAULTS.policy._current)
-        token = _SCOPED.set(policy)
+        active = self.resolve(DEFAULTS.active._current)
+        token = _SCOPED.set(active)
         recorders = None if self._recorders is None else RECORDERS.set(self._recorders)
-        _FRAMES.set((self, token, recorders, _FRAMES.get()))
-        return policy._logical
+        _FRAMES.set(_Frame(self, token, recorders, _FRAMES.get()))
+        return active.policy
 
     def __exit__(
         self,
@@ -148,24 +143,24 @@ class kernel_policy:  # noqa: N801 - lowercase like numpy.errstate and decimal.l
         tb: TracebackType | None,
     ) -> None:
         frame = _FRAMES.get()
-        if frame is None or frame[0] is not self:
+        if frame is None or frame.scope is not self:
             raise ScopeError(
                 f"{self!r} exited out of order: "
                 + (
                     "no scope is active in this context (exited twice, or in another thread or task?)"
                     if frame is None
-                    else f"the innermost active scope here is {frame[0]!r}"
+                    else f"the innermost active scope here is {frame.scope!r}"
                 )
             )
         try:
-            _SCOPED.reset(frame[1])
-            if frame[2] is not None:
-                RECORDERS.reset(frame[2])
+            _SCOPED.reset(frame.token)
+            if frame.recorders is not None:
+                RECORDERS.reset(frame.recorders)
         except (ValueError, RuntimeError) as error:  # token from another Context, or already used
             raise ScopeError(
                 f"{self!r} exited in another context than it was entered in, or exited there already"
             ) from error
-        _FRAMES.set(frame[3])
+        _FRAMES.set(frame.enclosing)
 
     def __call__(self, fn: F) -> F:
         """Decorate ``fn`` so that its body runs under this scope (see the module docstring)."""
@@ -339,15 +334,15 @@ def set_default_policy(mode: Mode | Policy | None = None, /, **layers: Any) -> P
     fixed, default, checked, options = _validated(mode, layers)
     ensure_env()
     with DEFAULTS.lock:
-        previous = DEFAULTS.policy
+        previous = DEFAULTS.active.policy
         base = DEFAULTS.env if DEFAULTS.env is not None else BUILTIN
         if fixed is None and default is None and not checked and not options:
             DEFAULTS.explicit = None
-            DEFAULTS.policy = base
+            DEFAULTS.set(base)
         else:
             new = fixed if fixed is not None else base.overlay(default, checked, options)
             DEFAULTS.explicit = new
-            DEFAULTS.policy = new
+            DEFAULTS.set(new)
     return previous
 
 
@@ -371,14 +366,14 @@ def propagate(fn: F) -> F:
     calls made in another process are not counted here.
     """
     ensure_env()
-    current: Policy = DEFAULTS.policy._current
-    scope = kernel_policy(current._logical)
-    scope._recording = current._recording
+    current: Active = DEFAULTS.active._current
+    scope = kernel_policy(current.policy)
+    scope._recording = current.recording
     scope._recorders = RECORDERS.get()
     wrapped = scope(fn)
     if inspect.iscoroutinefunction(fn) or inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn):
         return wrapped
-    return cast("F", _Propagated(fn, current._logical, wrapped))
+    return cast("F", _Propagated(fn, current.policy, wrapped))
 
 
 @final

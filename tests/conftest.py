@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import kernelpolicy
-from kernelpolicy import _policy
+from kernelpolicy import _active, _policy
 from kernelpolicy._demo import DemoModel
 from kernelpolicy.testing import rms_norm_kernel_source, write_kernel_repo
 
@@ -19,13 +19,13 @@ from kernelpolicy.testing import rms_norm_kernel_source, write_kernel_repo
 def _clean_policy_state(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Each test starts with no KERNELPOLICY, no explicit default and no active scope."""
     monkeypatch.delenv(_policy.ENV_VAR, raising=False)
-    _policy.DEFAULTS.explicit = None
-    _policy.reload_env()
-    before = _policy.DEFAULTS.policy._current
+    _active.DEFAULTS.explicit = None
+    _active.reload_env()
+    before = _active.DEFAULTS.active._current
     yield
-    assert _policy.DEFAULTS.policy._current is before, "a test leaked a policy scope"
-    _policy.DEFAULTS.explicit = None
-    _policy.reload_env()
+    assert _active.DEFAULTS.active._current is before, "a test leaked a policy scope"
+    _active.DEFAULTS.explicit = None
+    _active.reload_env()
 
 
 # --- real local kernel repositories and kernelized models --------------------------------------

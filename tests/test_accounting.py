@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import kernelpolicy as kp
+from kernelpolicy._active import DEFAULTS
 from kernelpolicy._demo import DemoModel
-from kernelpolicy._policy import DEFAULTS
 
 X = torch.randn(3, 16, generator=torch.Generator().manual_seed(8))
 
@@ -50,17 +50,17 @@ def test_nothing_is_recorded_outside_the_block(kernelized: Callable[..., DemoMod
         model(X)
     model(X)
     assert calls.total() == 3
-    assert not DEFAULTS.policy._current._recording
+    assert not DEFAULTS.active._current.recording
 
 
 def test_policy_inside_recording_is_the_logical_policy(kernelized: Callable[..., DemoModel]) -> None:
     with kp.record_calls():
-        assert kp.current_policy() is kp.Policy("prefer")
+        assert kp.current_policy() == kp.Policy("prefer")
         with kp.kernel_policy("disable") as entered:
-            assert entered is kp.Policy("disable")
-            assert kp.current_policy() is kp.Policy("disable")
-            assert DEFAULTS.policy._current._recording
-    assert kp.current_policy() is kp.Policy("prefer")
+            assert entered == kp.Policy("disable")
+            assert kp.current_policy() == kp.Policy("disable")
+            assert DEFAULTS.active._current.recording
+    assert kp.current_policy() == kp.Policy("prefer")
 
 
 def test_nested_blocks_each_count_what_runs_inside(kernelized: Callable[..., DemoModel]) -> None:

@@ -338,7 +338,7 @@ def test_64_policies_compile_8_programs_and_recording_adds_none() -> None:
     x = torch.zeros(1)
     combos = sorted(
         itertools.product(kp.MODES, repeat=3),
-        key=lambda modes: kp.Policy(**dict(zip(_NAMES, modes, strict=True))) is kp.Policy(),
+        key=lambda modes: kp.Policy(**dict(zip(_NAMES, modes, strict=True))) == kp.Policy(),
     )
     assert len(combos) == 64
     for recording in (False, True):
@@ -395,6 +395,9 @@ def test_warmup_compiles_each_program_once_then_serving_compiles_nothing() -> No
     for policy in policies * 3:  # serving in the warm-up thread: nothing compiles
         with kp.kernel_policy(policy):
             assert compiled(x).item() == _expected(policy)
+    assert backend.compiles == 4
+    # Warm-up compiles under explicit scopes, whose guards the unscoped process default also passes.
+    assert compiled(x).item() == _expected(kp.Policy())
     assert backend.compiles == 4
     # Not asserted here: serving from fresh threads after a warm-up. TorchDynamo races on this
     # frame's cache there ("runtime guards failed even though they passed"): on torch 2.14.1, ten

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 import kernelpolicy as kp
-from kernelpolicy import Policy, _policy, current_policy, kernel_policy
+from kernelpolicy import Policy, _active, current_policy, kernel_policy
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
@@ -26,11 +26,11 @@ def set_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[str], Policy 
 
     def setter(text: str) -> Policy | None:
         monkeypatch.setenv(kp.ENV_VAR, text)
-        return _policy.reload_env()
+        return _active.reload_env()
 
     yield setter
     monkeypatch.delenv(kp.ENV_VAR, raising=False)
-    _policy.reload_env()
+    _active.reload_env()
     kp.set_default_policy()
 
 
@@ -68,10 +68,10 @@ def test_env_var_name() -> None:
     ],
 )
 def test_env_sets_process_default(set_env: Callable[[str], Policy | None], text: str, expected: Policy) -> None:
-    assert set_env(text) is expected
-    assert current_policy() is expected
-    assert read_in_new_thread() is expected
-    assert asyncio.run(_read_in_task()) is expected
+    assert set_env(text) == expected
+    assert current_policy() == expected
+    assert read_in_new_thread() == expected
+    assert asyncio.run(_read_in_task()) == expected
 
 
 async def _read_in_task() -> Policy:
@@ -81,20 +81,20 @@ async def _read_in_task() -> Policy:
 @pytest.mark.parametrize("text", ["", " ", "  \t\n "])
 def test_empty_env_means_builtin_prefer(set_env: Callable[[str], Policy | None], text: str) -> None:
     assert set_env(text) is None
-    assert current_policy() is Policy("prefer")
+    assert current_policy() == Policy("prefer")
 
 
 def test_env_is_read_once(set_env: Callable[[str], Policy | None], monkeypatch: pytest.MonkeyPatch) -> None:
     set_env("disable")
-    assert current_policy() is Policy("disable")
+    assert current_policy() == Policy("disable")
     monkeypatch.setenv(kp.ENV_VAR, "require")
-    assert current_policy() is Policy("disable")
+    assert current_policy() == Policy("disable")
     with kernel_policy(RMSNorm="require"):
-        assert current_policy() is Policy("disable", RMSNorm="require")
-    assert read_in_new_thread() is Policy("disable")
+        assert current_policy() == Policy("disable", RMSNorm="require")
+    assert read_in_new_thread() == Policy("disable")
     # Only a re-read (a fresh process) picks the new value up.
-    assert _policy.reload_env() is Policy("require")
-    assert current_policy() is Policy("require")
+    assert _active.reload_env() == Policy("require")
+    assert current_policy() == Policy("require")
 
 
 @pytest.mark.parametrize(
@@ -149,7 +149,7 @@ def test_malformed_env_raises_at_every_use_until_fixed(
         kp.set_default_policy("disable")
     # A fixed value is picked up at the next use, without an explicit reload.
     monkeypatch.setenv(kp.ENV_VAR, "prefer,RMSNorm=disable")
-    assert current_policy() is Policy("prefer", RMSNorm="disable")
+    assert current_policy() == Policy("prefer", RMSNorm="disable")
 
 
 # --- set_default_policy ---------------------------------------------------------------------
@@ -158,15 +158,15 @@ def test_malformed_env_raises_at_every_use_until_fixed(
 def test_set_default_policy_applies_everywhere_without_scope() -> None:
     previous = kp.set_default_policy("disable", SiLU="require")
     try:
-        assert previous is Policy("prefer")
+        assert previous == Policy("prefer")
         expected = Policy("disable", SiLU="require")
-        assert current_policy() is expected
-        assert read_in_new_thread() is expected
-        assert asyncio.run(_read_in_task()) is expected
+        assert current_policy() == expected
+        assert read_in_new_thread() == expected
+        assert asyncio.run(_read_in_task()) == expected
     finally:
         kp.set_default_policy()
-    assert current_policy() is Policy("prefer")
-    assert read_in_new_thread() is Policy("prefer")
+    assert current_policy() == Policy("prefer")
+    assert read_in_new_thread() == Policy("prefer")
 
 
 def test_set_default_policy_returns_previous_and_can_restore_it() -> None:
@@ -174,11 +174,11 @@ def test_set_default_policy_returns_previous_and_can_restore_it() -> None:
         first = kp.set_default_policy("require")
         second = kp.set_default_policy(RMSNorm="disable")
         third = kp.set_default_policy(Policy("disable", GELU="prefer"))
-        assert first is Policy("prefer")
-        assert second is Policy("require")
-        assert third is Policy("prefer", RMSNorm="disable")
-        assert kp.set_default_policy(second) is Policy("disable", GELU="prefer")
-        assert current_policy() is Policy("require")
+        assert first == Policy("prefer")
+        assert second == Policy("require")
+        assert third == Policy("prefer", RMSNorm="disable")
+        assert kp.set_default_policy(second) == Policy("disable", GELU="prefer")
+        assert current_policy() == Policy("require")
     finally:
         kp.set_default_policy()
 
@@ -209,33 +209,33 @@ def test_set_default_policy_seen_by_already_running_thread() -> None:
 
 def test_set_default_policy_layers_over_env(set_env: Callable[[str], Policy | None]) -> None:
     env = set_env("prefer,RMSNorm=disable,SiLU=require")
-    assert env is Policy("prefer", RMSNorm="disable", SiLU="require")
+    assert env == Policy("prefer", RMSNorm="disable", SiLU="require")
     previous = kp.set_default_policy(SiLU="prefer", GELU="disable")
     assert previous is env
-    assert current_policy() is Policy("prefer", RMSNorm="disable", GELU="disable")
+    assert current_policy() == Policy("prefer", RMSNorm="disable", GELU="disable")
     # Each call layers over the environment, not over the previous call.
     kp.set_default_policy(LayerNorm="require")
-    assert current_policy() is Policy("prefer", RMSNorm="disable", SiLU="require", LayerNorm="require")
+    assert current_policy() == Policy("prefer", RMSNorm="disable", SiLU="require", LayerNorm="require")
     # A positional mode names every layer, so the environment no longer shows through.
     kp.set_default_policy("require")
-    assert current_policy() is Policy("require")
+    assert current_policy() == Policy("require")
     kp.set_default_policy("disable", SiLU="require")
-    assert current_policy() is Policy("disable", SiLU="require")
+    assert current_policy() == Policy("disable", SiLU="require")
     # A Policy value applies exactly.
     kp.set_default_policy(Policy("prefer", GELU="require"))
-    assert current_policy() is Policy("prefer", GELU="require")
+    assert current_policy() == Policy("prefer", GELU="require")
     # No arguments: back to the environment's default.
-    assert kp.set_default_policy() is Policy("prefer", GELU="require")
+    assert kp.set_default_policy() == Policy("prefer", GELU="require")
     assert current_policy() is env
     assert read_in_new_thread() is env
 
 
 def test_set_default_policy_no_args_restores_builtin() -> None:
     kp.set_default_policy("disable")
-    assert kp.set_default_policy() is Policy("disable")
-    assert current_policy() is Policy("prefer")
-    assert kp.set_default_policy(None) is Policy("prefer")
-    assert current_policy() is Policy("prefer")
+    assert kp.set_default_policy() == Policy("disable")
+    assert current_policy() == Policy("prefer")
+    assert kp.set_default_policy(None) == Policy("prefer")
+    assert current_policy() == Policy("prefer")
 
 
 @pytest.mark.parametrize(
@@ -255,7 +255,7 @@ def test_set_default_policy_bad_input_raises_and_changes_nothing(
     try:
         with pytest.raises(kp.PolicyError):
             kp.set_default_policy(*args, **kwargs)  # type: ignore[arg-type]
-        assert current_policy() is Policy("require", SiLU="disable")
+        assert current_policy() == Policy("require", SiLU="disable")
     finally:
         kp.set_default_policy()
 
@@ -264,14 +264,14 @@ def test_scopes_take_precedence_over_set_default_policy() -> None:
     kp.set_default_policy("require", SiLU="disable")
     try:
         with kernel_policy(RMSNorm="prefer") as scoped:
-            assert scoped is Policy("require", SiLU="disable", RMSNorm="prefer")
+            assert scoped == Policy("require", SiLU="disable", RMSNorm="prefer")
             with kernel_policy("disable"):
-                assert current_policy() is Policy("disable")
+                assert current_policy() == Policy("disable")
             # Changing the default inside a scope does not change the captured scope.
             kp.set_default_policy("prefer")
             assert current_policy() is scoped
-            assert read_in_new_thread() is Policy("prefer")
-        assert current_policy() is Policy("prefer")
+            assert read_in_new_thread() == Policy("prefer")
+        assert current_policy() == Policy("prefer")
     finally:
         kp.set_default_policy()
 

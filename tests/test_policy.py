@@ -35,7 +35,7 @@ def test_policy_error_and_scope_error_hierarchy() -> None:
 
 
 def test_default_argument_is_prefer() -> None:
-    assert kp.Policy() is kp.Policy("prefer")
+    assert kp.Policy() == kp.Policy("prefer")
     assert kp.Policy().default == "prefer"
     assert dict(kp.Policy().layers) == {}
 
@@ -59,8 +59,8 @@ def test_layers_and_mode_for() -> None:
 
 
 def test_layers_equal_to_default_are_dropped() -> None:
-    assert kp.Policy("prefer", RMSNorm="prefer") is kp.Policy("prefer")
-    assert kp.Policy("disable", RMSNorm="disable", SiLU="prefer") is kp.Policy("disable", SiLU="prefer")
+    assert kp.Policy("prefer", RMSNorm="prefer") == kp.Policy("prefer")
+    assert kp.Policy("disable", RMSNorm="disable", SiLU="prefer") == kp.Policy("disable", SiLU="prefer")
     assert dict(kp.Policy("require", RMSNorm="require").layers) == {}
 
 
@@ -82,17 +82,20 @@ def test_default_is_positional_only() -> None:
     assert policy.mode_for("default") == "disable"
 
 
-# --- interning, hashing, copying -----------------------------------------------
+# --- value semantics: equality, hashing, pickling, copying; the interned Active -------------
 
 
-def test_equal_values_are_the_same_object() -> None:
+def test_equal_by_content_however_written() -> None:
     a = kp.Policy("disable", RMSNorm="require", SiLU="prefer")
     b = kp.Policy("disable", SiLU="prefer", RMSNorm="require")
     c = kp.Policy.parse("SiLU=prefer, disable ,RMSNorm=require")
-    assert a is b
-    assert a is c
-    assert a is not kp.Policy("disable", RMSNorm="require")
-    assert a is not kp.Policy("prefer", RMSNorm="require", SiLU="prefer")
+    assert a == b == c
+    assert str(a) == str(b) == str(c) == "disable,RMSNorm=require,SiLU=prefer"
+    assert a != kp.Policy("disable", RMSNorm="require")
+    assert a != kp.Policy("prefer", RMSNorm="require", SiLU="prefer")
+    assert kp.Policy("verify", atol=1e-3) != kp.Policy("verify")
+    assert kp.Policy("verify", atol=1e-3) == kp.Policy.parse("verify,atol=0.001")
+    assert a != "disable,RMSNorm=require,SiLU=prefer"  # no equality with its text
 
 
 def test_policies_are_hashable_and_usable_as_keys() -> None:
@@ -104,14 +107,35 @@ def test_policies_are_hashable_and_usable_as_keys() -> None:
     assert len({kp.Policy("require"), kp.Policy("require", X="require"), kp.Policy.parse("require")}) == 1
 
 
+def test_a_policy_holds_its_value_only() -> None:
+    policy = kp.Policy("prefer", RMSNorm="disable")
+    assert not hasattr(policy, "__dict__")
+    assert set(type(policy).__slots__) == {"_hash", "_key", "_modes"}
+    assert policy.options == kp.Policy("prefer").options
+    assert not hasattr(policy, "_current")  # the ContextVar reader lives on _active.Active
+
+
+def test_active_objects_are_interned_per_policy_and_recording() -> None:
+    from kernelpolicy._active import activate
+
+    policy = kp.Policy("disable", RMSNorm="require")
+    active = activate(policy)
+    assert activate(kp.Policy.parse("RMSNorm=require,disable")) is active
+    assert active.policy == policy and not active.recording
+    assert activate(policy, True) is active.recorded(True) is not active
+    assert active.recorded(True).recorded(False) is active
+
+
 def test_interning_is_thread_safe() -> None:
+    from kernelpolicy._active import activate
+
     barrier = threading.Barrier(8)
-    results: list[list[kp.Policy]] = [[] for _ in range(8)]
+    results: list[list[object]] = [[] for _ in range(8)]
 
     def worker(slot: int) -> None:
         barrier.wait(timeout=10)
         for i in range(200):
-            results[slot].append(kp.Policy("disable", **{f"Layer{i}": "require"}))
+            results[slot].append(activate(kp.Policy("disable", **{f"Layer{i}": "require"})))
 
     threads = [threading.Thread(target=worker, args=(slot,)) for slot in range(8)]
     for thread in threads:
@@ -125,23 +149,28 @@ def test_interning_is_thread_safe() -> None:
 
 
 @pytest.mark.parametrize("protocol", range(pickle.HIGHEST_PROTOCOL + 1))
-def test_pickle_returns_the_interned_object(protocol: int) -> None:
-    policy = kp.Policy("require", RMSNorm="disable", SiLU="prefer")
-    restored = pickle.loads(pickle.dumps(policy, protocol=protocol))
-    assert restored is policy
+def test_pickle_by_value(protocol: int) -> None:
+    policy = kp.Policy("require", RMSNorm="disable", SiLU="prefer", atol=0.5, on_mismatch="warn")
+    data = pickle.dumps(policy, protocol=protocol)
+    assert b"_current" not in data and b"_table" not in data
+    restored = pickle.loads(data)
+    assert restored == policy and hash(restored) == hash(policy) and str(restored) == str(policy)
+    assert restored.atol == 0.5 and restored.on_mismatch == "warn"
 
 
-def test_pickle_inside_container_keeps_identity() -> None:
-    policy = kp.Policy("disable", GELU="prefer")
-    restored = pickle.loads(pickle.dumps({"p": policy, "q": [policy]}))
-    assert restored["p"] is policy
-    assert restored["q"][0] is policy
+def test_a_tampered_pickle_is_checked() -> None:
+    from kernelpolicy._policy import _restore
+
+    with pytest.raises(kp.PolicyError, match="unknown kernel policy mode 'fast'"):
+        _restore("prefer", (("RMSNorm", "fast"),), (None, None, "raise"))
+    with pytest.raises(kp.PolicyError, match="on_mismatch must be 'raise' or 'warn', got 'ignore'"):
+        _restore("prefer", (), (None, None, "ignore"))
 
 
 def test_copy_and_deepcopy_return_the_same_object() -> None:
     policy = kp.Policy("prefer", RMSNorm="disable")
-    assert copy.copy(policy) is policy
-    assert copy.deepcopy(policy) is policy
+    assert copy.copy(policy) == policy
+    assert copy.deepcopy(policy) == policy
     nested = copy.deepcopy({"x": [policy]})
     assert nested["x"][0] is policy
 
@@ -149,7 +178,7 @@ def test_copy_and_deepcopy_return_the_same_object() -> None:
 # --- immutability ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("attribute", ["default", "layers", "_default", "_table", "_key", "new_attribute"])
+@pytest.mark.parametrize("attribute", ["default", "layers", "options", "_key", "_modes", "new_attribute"])
 def test_setting_attributes_raises(attribute: str) -> None:
     policy = kp.Policy("prefer", RMSNorm="disable")
     with pytest.raises(AttributeError):
@@ -158,7 +187,7 @@ def test_setting_attributes_raises(attribute: str) -> None:
     assert dict(policy.layers) == {"RMSNorm": "disable"}
 
 
-@pytest.mark.parametrize("attribute", ["default", "_default", "_table"])
+@pytest.mark.parametrize("attribute", ["default", "_key", "_modes"])
 def test_deleting_attributes_raises(attribute: str) -> None:
     policy = kp.Policy("disable")
     with pytest.raises(AttributeError):
@@ -199,7 +228,7 @@ def test_repr() -> None:
 
 def test_repr_evaluates_to_the_same_object() -> None:
     policy = kp.Policy("require", RMSNorm="disable", SiLU="prefer")
-    assert eval(repr(policy), {"Policy": kp.Policy}) is policy
+    assert eval(repr(policy), {"Policy": kp.Policy}) == policy
 
 
 policies = st.builds(
@@ -212,9 +241,9 @@ policies = st.builds(
 @settings(max_examples=200, deadline=None)
 @given(policies)
 def test_str_and_repr_round_trip(policy: kp.Policy) -> None:
-    assert kp.Policy.parse(str(policy)) is policy
-    assert eval(repr(policy), {"Policy": kp.Policy}) is policy
-    assert pickle.loads(pickle.dumps(policy)) is policy
+    assert kp.Policy.parse(str(policy)) == policy
+    assert eval(repr(policy), {"Policy": kp.Policy}) == policy
+    assert pickle.loads(pickle.dumps(policy)) == policy
 
 
 # --- parse -------------------------------------------------------------------------
@@ -237,11 +266,11 @@ def test_str_and_repr_round_trip(policy: kp.Policy) -> None:
     ],
 )
 def test_parse_valid(text: str, expected: kp.Policy) -> None:
-    assert kp.Policy.parse(text) is expected
+    assert kp.Policy.parse(text) == expected
 
 
 def test_parse_with_source_parses_the_same() -> None:
-    assert kp.Policy.parse("disable,SiLU=require", source="header X-Policy") is kp.Policy("disable", SiLU="require")
+    assert kp.Policy.parse("disable,SiLU=require", source="header X-Policy") == kp.Policy("disable", SiLU="require")
 
 
 @pytest.mark.parametrize(

@@ -113,14 +113,14 @@ def test_fixtures_and_fixture_setup_teardown_see_the_policy(run: Run) -> None:
         @pytest.mark.kernel_policy("disable")
         def test_uses_fixtures(kernelpolicy, kernel_policy_in_effect, recorder, own_scope):
             assert kernelpolicy is kp
-            assert kernel_policy_in_effect is kp.Policy("disable")
+            assert kernel_policy_in_effect == kp.Policy("disable")
             assert str(kernelpolicy.current_policy()) == "disable,SiLU=require"
 
         def test_after():
             assert SEEN == [("setup", "disable"), ("teardown", "disable")]
 
         def test_fixture_without_marker(kernel_policy_in_effect):
-            assert kernel_policy_in_effect is kp.Policy("prefer")
+            assert kernel_policy_in_effect == kp.Policy("prefer")
         """
     )
     result.assert_outcomes(passed=3)
@@ -245,7 +245,7 @@ def test_no_policy_leaks_between_tests(run: Run) -> None:
             # with no scope active the process default shows through
             previous = kernelpolicy.set_default_policy("require")
             try:
-                return kernelpolicy.current_policy() is kernelpolicy.Policy("require")
+                return kernelpolicy.current_policy() == kernelpolicy.Policy("require")
             finally:
                 kernelpolicy.set_default_policy(previous)
 

@@ -84,7 +84,7 @@ def test_decorating_callable_object() -> None:
 
     decorated = kernel_policy(RMSNorm="disable")(Callable())
     assert decorated(3) == (3, Policy("prefer", RMSNorm="disable"))
-    assert current_policy() is PREFER
+    assert current_policy() == PREFER
 
 
 # --- sync functions -----------------------------------------------------------------
@@ -96,7 +96,7 @@ def test_sync_function_policy_holds_in_body() -> None:
         return a + b, current_policy()
 
     assert body(1, b=2) == (3, Policy("disable", SiLU="require"))
-    assert current_policy() is PREFER
+    assert current_policy() == PREFER
 
 
 def test_sync_decorator_inherits_enclosing_at_call_time() -> None:
@@ -105,10 +105,10 @@ def test_sync_decorator_inherits_enclosing_at_call_time() -> None:
         return current_policy()
 
     with kernel_policy("require"):
-        assert body() is Policy("require", RMSNorm="disable")
+        assert body() == Policy("require", RMSNorm="disable")
     with kernel_policy(SiLU="disable"):
-        assert body() is Policy("prefer", RMSNorm="disable", SiLU="disable")
-    assert body() is Policy("prefer", RMSNorm="disable")
+        assert body() == Policy("prefer", RMSNorm="disable", SiLU="disable")
+    assert body() == Policy("prefer", RMSNorm="disable")
 
 
 def test_sync_recursive_and_nested_scope_in_body() -> None:
@@ -122,13 +122,13 @@ def test_sync_recursive_and_nested_scope_in_body() -> None:
         return seen
 
     seen = recurse(3)
-    assert seen[0] is Policy("prefer", RMSNorm="disable")
-    assert seen[1] is Policy("prefer", RMSNorm="disable", SiLU="require")
-    assert seen[2] is Policy("prefer", RMSNorm="disable", SiLU="disable")
-    assert seen[3] is Policy("prefer", RMSNorm="disable", SiLU="require")
+    assert seen[0] == Policy("prefer", RMSNorm="disable")
+    assert seen[1] == Policy("prefer", RMSNorm="disable", SiLU="require")
+    assert seen[2] == Policy("prefer", RMSNorm="disable", SiLU="disable")
+    assert seen[3] == Policy("prefer", RMSNorm="disable", SiLU="require")
     assert len(seen) == 7
-    assert seen[-1] is Policy("prefer", RMSNorm="disable")
-    assert current_policy() is PREFER
+    assert seen[-1] == Policy("prefer", RMSNorm="disable")
+    assert current_policy() == PREFER
 
 
 def test_sync_method_decoration() -> None:
@@ -152,8 +152,8 @@ def test_sync_exception_propagates_unchanged() -> None:
         with pytest.raises(CustomError) as info:
             fail()
         assert info.value is error
-        assert current_policy() is outer
-    assert current_policy() is PREFER
+        assert current_policy() == outer
+    assert current_policy() == PREFER
 
 
 # --- coroutines ------------------------------------------------------------------------
@@ -187,7 +187,7 @@ def test_coroutine_policy_holds_across_awaits() -> None:
     expected = Policy("disable", GELU="require")
     assert seen == [expected] * 3 + [Policy("disable", GELU="require", RMSNorm="require"), expected]
     assert other == [PREFER] * 5
-    assert after is PREFER
+    assert after == PREFER
 
 
 def test_coroutine_return_value_and_exception() -> None:
@@ -209,10 +209,10 @@ def test_coroutine_return_value_and_exception() -> None:
             with pytest.raises(CustomError) as info:
                 await fail()
             assert info.value is error
-            assert current_policy() is outer
+            assert current_policy() == outer
 
     asyncio.run(main())
-    assert current_policy() is PREFER
+    assert current_policy() == PREFER
 
 
 def _cancel_once_started(runner: Callable[[asyncio.Event], Awaitable[None]]) -> None:
@@ -225,7 +225,7 @@ def _cancel_once_started(runner: Callable[[asyncio.Event], Awaitable[None]]) -> 
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        assert current_policy() is PREFER
+        assert current_policy() == PREFER
 
     asyncio.run(main())
 
@@ -246,7 +246,7 @@ def test_cancelled_task_inside_decorated_coroutine_restores_policy() -> None:
                 await body(started)
             except asyncio.CancelledError:
                 after_cancel.append(current_policy())
-                assert current_policy() is outer
+                assert current_policy() == outer
                 raise
 
     _cancel_once_started(runner)
@@ -275,7 +275,7 @@ def test_generator_policy_holds_across_yields_and_consumer_never_sees_it() -> No
     outer = Policy("disable", GELU="require")
     nested = Policy("disable", GELU="require", SiLU="require")
     assert produced == [outer, nested, nested, outer]
-    assert current_policy() is PREFER
+    assert current_policy() == PREFER
 
 
 def test_generator_interleaved_with_consumer_scopes() -> None:
@@ -287,13 +287,13 @@ def test_generator_interleaved_with_consumer_scopes() -> None:
     gen = body()
     with kernel_policy("require"):
         first = next(gen)
-        assert current_policy() is Policy("require")
+        assert current_policy() == Policy("require")
     with kernel_policy("disable") as other:
         second = next(gen)
         assert current_policy() is other
     third = next(gen)
-    assert first is second is third
-    assert current_policy() is PREFER
+    assert first == second is third
+    assert current_policy() == PREFER
     with pytest.raises(StopIteration):
         next(gen)
 
@@ -312,7 +312,7 @@ def test_two_decorated_generators_interleaved() -> None:
 
     pairs = list(zip(a(), b(), strict=True))
     assert pairs == [(Policy("disable", SiLU="require"), Policy("require"))] * 3
-    assert current_policy() is PREFER
+    assert current_policy() == PREFER
 
 
 def test_generator_send_and_return_value() -> None:
@@ -328,12 +328,12 @@ def test_generator_send_and_return_value() -> None:
     gen = accumulator()
     assert next(gen) == (0, DISABLED)
     assert gen.send(5) == (5, DISABLED)
-    assert current_policy() is PREFER
+    assert current_policy() == PREFER
     assert gen.send(7) == (12, DISABLED)
     with pytest.raises(StopIteration) as info:
         gen.send(-1)
     assert info.value.value == "total=12"
-    assert current_policy() is PREFER
+    assert current_policy() == PREFER
 
 
 def test_generator_return_value_through_yield_from() -> None:
@@ -362,7 +362,7 @@ def test_generator_returning_before_first_yield() -> None:
     with pytest.raises(StopIteration) as info:
         next(gen)
     assert info.value.value == "done"
-    assert current_policy() is PREFER
+    assert current_policy() == PREFER
 
 
 def test_generator_throw_handled_inside_body() -> None:
@@ -381,7 +381,7 @@ def test_generator_throw_handled_inside_body() -> None:
     with pytest.raises(StopIteration) as info:
         next(gen)
     assert info.value.value == "end"
-    assert current_policy() is PREFER
+    assert current_policy() == PREFER
 
 
 def test_generator_throw_returning_passes_value() -> None:
@@ -413,8 +413,8 @@ def test_generator_throw_unhandled_propagates_same_object() -> None:
         with pytest.raises(CustomError) as info:
             gen.throw(error)
         assert info.value is error
-        assert current_policy() is outer
-    assert current_policy() is PREFER
+        assert current_policy() == outer
+    assert current_policy() == PREFER
 
 
 def test_generator_exception_from_body_propagates_same_object() -> None:
@@ -431,7 +431,7 @@ def test_generator_exception_from_body_propagates_same_object() -> None:
     with pytest.raises(CustomError) as info:
         next(gen)
     assert info.value is error
-    assert current_policy() is PREFER
+    assert current_policy() == PREFER
 
 
 def test_generator_closed_early_runs_cleanup_under_policy_and_leaks_nothing() -> None:
@@ -454,7 +454,7 @@ def test_generator_closed_early_runs_cleanup_under_policy_and_leaks_nothing() ->
         assert cleanup == [DISABLED]
         with pytest.raises(StopIteration):
             next(gen)
-    assert current_policy() is PREFER
+    assert current_policy() == PREFER
 
 
 def test_generator_break_in_for_loop_and_garbage_collection() -> None:
@@ -473,7 +473,7 @@ def test_generator_break_in_for_loop_and_garbage_collection() -> None:
             break
     gc.collect()
     assert closed == [DISABLED]
-    assert current_policy() is PREFER
+    assert current_policy() == PREFER
 
 
 def test_unstarted_generator_close_is_harmless() -> None:
@@ -487,7 +487,7 @@ def test_unstarted_generator_close_is_harmless() -> None:
     gen = body()
     gen.close()
     assert started == []
-    assert current_policy() is PREFER
+    assert current_policy() == PREFER
 
 
 def test_generator_captures_enclosing_policy_at_first_iteration() -> None:
@@ -499,11 +499,11 @@ def test_generator_captures_enclosing_policy_at_first_iteration() -> None:
 
     with kernel_policy("disable"):
         gen = body()
-    assert next(gen) is Policy("prefer", RMSNorm="require")
+    assert next(gen) == Policy("prefer", RMSNorm="require")
     with kernel_policy("disable"):
         started_inside = body()
         first = next(started_inside)
-    assert first is Policy("disable", RMSNorm="require")
+    assert first == Policy("disable", RMSNorm="require")
     assert next(started_inside, None) is None
 
 
@@ -535,7 +535,7 @@ def test_async_generator_policy_across_yields_and_consumer_never_sees_it() -> No
     outer = Policy("disable", GELU="require")
     nested = Policy("disable", GELU="require", SiLU="require")
     assert produced == [outer, nested, nested, outer]
-    assert current_policy() is PREFER
+    assert current_policy() == PREFER
 
 
 def test_async_generator_concurrent_with_other_tasks() -> None:
@@ -584,11 +584,11 @@ def test_async_generator_asend_athrow_aclose() -> None:
         gen = body()
         assert await gen.__anext__() == (None, expected)
         assert await gen.asend("hello") == ("hello", expected)
-        assert current_policy() is PREFER
+        assert current_policy() == PREFER
         assert await gen.athrow(CustomError("boom")) == ("caught boom", expected)
-        assert current_policy() is PREFER
+        assert current_policy() == PREFER
         await gen.aclose()
-        assert current_policy() is PREFER
+        assert current_policy() == PREFER
         with pytest.raises(StopAsyncIteration):
             await gen.__anext__()
 
@@ -621,7 +621,7 @@ def test_async_generator_athrow_unhandled_and_finishing() -> None:
         await other.__anext__()
         with pytest.raises(StopAsyncIteration):
             await other.athrow(CustomError())
-        assert current_policy() is PREFER
+        assert current_policy() == PREFER
 
     asyncio.run(main())
 
@@ -649,7 +649,7 @@ def test_async_generator_closed_early_leaves_no_leak() -> None:
 
     asyncio.run(main())
     assert closed == [Policy("require")]
-    assert current_policy() is PREFER
+    assert current_policy() == PREFER
 
 
 def test_cancelled_task_inside_decorated_async_generator_restores_policy() -> None:
@@ -674,7 +674,7 @@ def test_cancelled_task_inside_decorated_async_generator_restores_policy() -> No
                     pass
             except asyncio.CancelledError:
                 after_cancel.append(current_policy())
-                assert current_policy() is outer
+                assert current_policy() == outer
                 raise
 
     _cancel_once_started(runner)
@@ -696,7 +696,7 @@ def test_async_generator_captures_enclosing_policy_at_first_iteration() -> None:
         finally:
             await gen.aclose()
 
-    assert asyncio.run(main()) is Policy("prefer", RMSNorm="require")
+    assert asyncio.run(main()) == Policy("prefer", RMSNorm="require")
 
 
 # --- misc ----------------------------------------------------------------------------------
@@ -712,10 +712,10 @@ def test_kernels_disabled_and_policy_value_as_decorators() -> None:
         return current_policy()
 
     with kernel_policy("require"):
-        assert a() is Policy("require", RMSNorm="disable")
-        assert b() is Policy("require", SiLU="prefer")
+        assert a() == Policy("require", RMSNorm="disable")
+        assert b() == Policy("require", SiLU="prefer")
     with kernel_policy("disable"):
-        assert b() is Policy("require", SiLU="prefer")
+        assert b() == Policy("require", SiLU="prefer")
 
 
 def test_decorating_partial_of_generator_function() -> None:
@@ -724,4 +724,4 @@ def test_decorating_partial_of_generator_function() -> None:
 
     decorated = kernel_policy("disable")(functools.partial(numbered, 5))
     assert list(decorated()) == [(5, DISABLED)]
-    assert current_policy() is PREFER
+    assert current_policy() == PREFER

@@ -46,26 +46,26 @@ def test_threads_see_only_their_own_nested_policies() -> None:
                 outer = _outer_for(index, step)
                 barrier.wait(timeout=20)
                 with kernel_policy(outer.default, **dict(outer.layers)) as got:
-                    assert got is outer
+                    assert got == outer
                     barrier.wait(timeout=20)
-                    assert current_policy() is outer
+                    assert current_policy() == outer
                     checks[index] += 1
                     inner_mode = kp.MODES[(index * 7 + step) % 3]
                     with kernel_policy(SiLU=inner_mode) as inner:
                         expected = Policy(outer.default, **dict(outer.layers), SiLU=inner_mode)
-                        assert inner is expected
+                        assert inner == expected
                         barrier.wait(timeout=20)
-                        assert current_policy() is expected
+                        assert current_policy() == expected
                         checks[index] += 1
                         with kernel_policy("disable", GELU="require"):
                             barrier.wait(timeout=20)
-                            assert current_policy() is Policy("disable", GELU="require")
+                            assert current_policy() == Policy("disable", GELU="require")
                             checks[index] += 1
-                        assert current_policy() is expected
+                        assert current_policy() == expected
                     barrier.wait(timeout=20)
-                    assert current_policy() is outer
+                    assert current_policy() == outer
                     checks[index] += 1
-                if current_policy() is not Policy("prefer"):
+                if current_policy() != Policy("prefer"):
                     leaks[index] += 1
         except BaseException:
             barrier.abort()
@@ -77,7 +77,7 @@ def test_threads_see_only_their_own_nested_policies() -> None:
             future.result(timeout=60)
     assert checks == [steps * 4] * N_THREADS
     assert sum(leaks) == 0
-    assert current_policy() is Policy("prefer")
+    assert current_policy() == Policy("prefer")
 
 
 def test_shared_scope_constant_entered_from_many_threads() -> None:
@@ -94,20 +94,20 @@ def test_shared_scope_constant_entered_from_many_threads() -> None:
                     barrier.wait(timeout=20)
                     with SHARED_SCOPE as entered:
                         expected = _expected_shared(enclosing)
-                        assert entered is expected
+                        assert entered == expected
                         barrier.wait(timeout=20)
-                        assert current_policy() is expected
+                        assert current_policy() == expected
                         # Nest the shared scope in itself (through another scope, too).
                         with SHARED_SCOPE as again:
-                            assert again is expected
+                            assert again == expected
                             with kernel_policy(SiLU="require"), SHARED_SCOPE as deeper:
-                                assert deeper is Policy(expected.default, **dict(expected.layers), SiLU="require")
-                            assert current_policy() is expected
-                        assert current_policy() is expected
+                                assert deeper == Policy(expected.default, **dict(expected.layers), SiLU="require")
+                            assert current_policy() == expected
+                        assert current_policy() == expected
                         checks[index] += 1
                     barrier.wait(timeout=20)
                     assert current_policy() is enclosing
-                if current_policy() is not Policy("prefer"):
+                if current_policy() != Policy("prefer"):
                     leaks[index] += 1
         except BaseException:
             barrier.abort()
@@ -119,19 +119,19 @@ def test_shared_scope_constant_entered_from_many_threads() -> None:
             future.result(timeout=60)
     assert checks == [steps] * N_THREADS
     assert sum(leaks) == 0
-    assert current_policy() is Policy("prefer")
+    assert current_policy() == Policy("prefer")
 
 
 def test_shared_scope_constant_nested_in_itself_in_one_thread() -> None:
     with SHARED_SCOPE as a:
-        assert a is Policy("prefer", RMSNorm="disable")
+        assert a == Policy("prefer", RMSNorm="disable")
         with kernel_policy("require"), SHARED_SCOPE as b:
-            assert b is Policy("require", RMSNorm="disable")
+            assert b == Policy("require", RMSNorm="disable")
             with SHARED_SCOPE as c:
                 assert c is b
             assert current_policy() is b
         assert current_policy() is a
-    assert current_policy() is Policy("prefer")
+    assert current_policy() == Policy("prefer")
 
 
 @pytest.mark.skipif(sys.version_info >= (3, 14), reason="threads inherit the context from Python 3.14")
@@ -147,7 +147,7 @@ def test_new_thread_starts_from_process_default_not_creator_scope() -> None:
         thread = threading.Thread(target=record)
         thread.start()
         thread.join(timeout=10)
-        assert current_policy() is Policy("disable", RMSNorm="require")
+        assert current_policy() == Policy("disable", RMSNorm="require")
     assert seen == [Policy("prefer"), Policy("prefer", SiLU="require")]
 
 
@@ -179,24 +179,24 @@ def test_many_concurrent_tasks_with_interleaved_nested_scopes() -> None:
             outer = _outer_for(index, step)
             with kernel_policy(outer.default, **dict(outer.layers)):
                 await asyncio.sleep(0)
-                assert current_policy() is outer
+                assert current_policy() == outer
                 count += 1
                 mode = kp.MODES[(index + 2 * step) % 3]
                 with kernel_policy(SiLU=mode) as inner:
                     await asyncio.sleep(0)
-                    assert inner is Policy(outer.default, **dict(outer.layers), SiLU=mode)
-                    assert current_policy() is inner
+                    assert inner == Policy(outer.default, **dict(outer.layers), SiLU=mode)
+                    assert current_policy() == inner
                     count += 1
                     with SHARED_SCOPE as shared:
                         await asyncio.sleep(0)
-                        assert shared is _expected_shared(inner)
+                        assert shared == _expected_shared(inner)
                         assert current_policy() is shared
                         count += 1
                     await asyncio.sleep(0)
-                    assert current_policy() is inner
+                    assert current_policy() == inner
                     count += 1
                 await asyncio.sleep(0)
-                assert current_policy() is outer
+                assert current_policy() == outer
                 count += 1
             await asyncio.sleep(0)
             assert current_policy() is start
@@ -208,12 +208,12 @@ def test_many_concurrent_tasks_with_interleaved_nested_scopes() -> None:
         with kernel_policy("disable", LayerNorm="require") as parent:
             await asyncio.gather(*(task(i) for i in range(N_TASKS)))
             assert current_policy() is parent
-        assert current_policy() is Policy("prefer")
+        assert current_policy() == Policy("prefer")
 
     asyncio.run(main())
     assert checks == [25] * N_TASKS
     assert leaks == []
-    assert current_policy() is Policy("prefer")
+    assert current_policy() == Policy("prefer")
 
 
 def test_task_inherits_scope_at_creation_and_does_not_leak_back() -> None:
@@ -264,8 +264,8 @@ def test_exception_propagates_unchanged_and_policy_restored(error: BaseException
         with pytest.raises(type(error)) as info:
             _raise_through_scopes(error)
         assert info.value is error
-        assert current_policy() is outer
-    assert current_policy() is Policy("prefer")
+        assert current_policy() == outer
+    assert current_policy() == Policy("prefer")
 
 
 def test_exception_keeps_its_cause_and_traceback() -> None:
@@ -279,7 +279,7 @@ def test_exception_keeps_its_cause_and_traceback() -> None:
         body()
     assert info.value.__cause__ is cause
     assert any(entry.name == "body" for entry in info.traceback)
-    assert current_policy() is Policy("prefer")
+    assert current_policy() == Policy("prefer")
 
 
 def test_exceptions_in_threads_restore_each_thread() -> None:
@@ -300,8 +300,8 @@ def test_exceptions_in_threads_restore_each_thread() -> None:
                     caught.append(exc)
                 assert caught == [error]
                 assert caught[0] is error
-                assert current_policy() is outer
-            results[index] = current_policy() is Policy("prefer")
+                assert current_policy() == outer
+            results[index] = current_policy() == Policy("prefer")
         except BaseException:
             barrier.abort()
             raise
@@ -324,11 +324,11 @@ def test_propagate_in_thread_pool_and_worker_unaffected_afterwards() -> None:
             wrapped = kp.propagate(read)
             assert pool.submit(wrapped).result(timeout=10) is captured
             # Without propagate the worker does not see the caller's scope.
-            assert pool.submit(read).result(timeout=10) is Policy("prefer")
+            assert pool.submit(read).result(timeout=10) == Policy("prefer")
         # The policy is the one at wrap time, even after the caller left its scope.
         assert pool.submit(wrapped).result(timeout=10) is captured
-        assert pool.submit(read).result(timeout=10) is Policy("prefer")
-    assert current_policy() is Policy("prefer")
+        assert pool.submit(read).result(timeout=10) == Policy("prefer")
+    assert current_policy() == Policy("prefer")
 
 
 def test_propagate_keeps_metadata_and_arguments() -> None:
@@ -342,7 +342,7 @@ def test_propagate_keeps_metadata_and_arguments() -> None:
     assert wrapped.__doc__ == "Add two numbers."
     assert wrapped.__wrapped__ is add  # type: ignore[attr-defined]
     assert wrapped(2, b=3) == (5, captured)
-    assert current_policy() is Policy("prefer")
+    assert current_policy() == Policy("prefer")
 
 
 def test_propagate_in_run_in_executor() -> None:
@@ -359,10 +359,10 @@ def test_propagate_in_run_in_executor() -> None:
         return captured, propagated, plain, after
 
     captured, propagated, plain, after = asyncio.run(main())
-    assert captured is Policy("require", GELU="disable")
+    assert captured == Policy("require", GELU="disable")
     assert propagated is captured
-    assert plain is Policy("prefer")
-    assert after is Policy("prefer")
+    assert plain == Policy("prefer")
+    assert after == Policy("prefer")
 
 
 def test_propagate_outside_any_scope_captures_the_current_default() -> None:
@@ -372,10 +372,10 @@ def test_propagate_outside_any_scope_captures_the_current_default() -> None:
     wrapped = kp.propagate(read)
     kp.set_default_policy("disable")
     try:
-        assert current_policy() is Policy("disable")
+        assert current_policy() == Policy("disable")
         with ThreadPoolExecutor(max_workers=1) as pool:
-            assert pool.submit(wrapped).result(timeout=10) is Policy("prefer")
-            assert pool.submit(read).result(timeout=10) is Policy("disable")
+            assert pool.submit(wrapped).result(timeout=10) == Policy("prefer")
+            assert pool.submit(read).result(timeout=10) == Policy("disable")
     finally:
         kp.set_default_policy()
 
@@ -396,4 +396,4 @@ def test_propagate_exception_restores_worker() -> None:
         with pytest.raises(CustomError) as info:
             future.result(timeout=10)
         assert info.value is error
-        assert pool.submit(read).result(timeout=10) is Policy("prefer")
+        assert pool.submit(read).result(timeout=10) == Policy("prefer")

@@ -26,18 +26,18 @@ def modes_of(policy: Policy, names: tuple[str, ...] = (*LAYERS, UNNAMED)) -> dic
 
 
 def test_no_scope_is_builtin_prefer() -> None:
-    assert current_policy() is Policy("prefer")
+    assert current_policy() == Policy("prefer")
 
 
 def test_enter_returns_effective_policy() -> None:
     with kernel_policy("disable", SiLU="require") as outer:
-        assert outer is Policy("disable", SiLU="require")
-        assert current_policy() is outer
+        assert outer == Policy("disable", SiLU="require")
+        assert current_policy() == outer
         with kernel_policy(RMSNorm="prefer") as inner:
-            assert inner is Policy("disable", SiLU="require", RMSNorm="prefer")
-            assert current_policy() is inner
-        assert current_policy() is outer
-    assert current_policy() is Policy("prefer")
+            assert inner == Policy("disable", SiLU="require", RMSNorm="prefer")
+            assert current_policy() == inner
+        assert current_policy() == outer
+    assert current_policy() == Policy("prefer")
 
 
 def test_keyword_scope_inherits_unnamed_layers() -> None:
@@ -46,20 +46,20 @@ def test_keyword_scope_inherits_unnamed_layers() -> None:
         assert policy.mode_for("RMSNorm") == "disable"
         assert policy.mode_for("SiLU") == "require"
         assert policy.mode_for("GELU") == "prefer"
-        assert policy is Policy("prefer", RMSNorm="disable", SiLU="require")
+        assert policy == Policy("prefer", RMSNorm="disable", SiLU="require")
 
 
 def test_positional_mode_names_every_layer() -> None:
     with kernel_policy("prefer", RMSNorm="disable", SiLU="prefer"):
         with kernel_policy("require"):
-            assert current_policy() is Policy("require")
+            assert current_policy() == Policy("require")
             assert modes_of(current_policy()) == dict.fromkeys((*LAYERS, UNNAMED), "require")
-        assert current_policy() is Policy("prefer", RMSNorm="disable")
+        assert current_policy() == Policy("prefer", RMSNorm="disable")
 
 
 def test_positional_mode_with_layers_ignores_enclosing() -> None:
     with kernel_policy("disable", RMSNorm="require", GELU="prefer"), kernel_policy("prefer", SiLU="disable"):
-        assert current_policy() is Policy("prefer", SiLU="disable")
+        assert current_policy() == Policy("prefer", SiLU="disable")
         assert current_policy().mode_for("RMSNorm") == "prefer"
         assert current_policy().mode_for("GELU") == "prefer"
 
@@ -76,34 +76,34 @@ def test_keyword_scope_overrides_only_what_it_names() -> None:
             }
         with kernel_policy(RMSNorm="disable"):
             # Naming a layer with the enclosing default collapses to the default.
-            assert current_policy() is Policy("disable")
+            assert current_policy() == Policy("disable")
 
 
 def test_empty_scope_changes_nothing() -> None:
     with kernel_policy("disable", SiLU="require") as outer, kernel_policy() as inner:
-        assert inner is outer
-        assert current_policy() is outer
+        assert inner == outer
+        assert current_policy() == outer
     with kernel_policy(None) as top:
-        assert top is Policy("prefer")
+        assert top == Policy("prefer")
 
 
 def test_three_levels_deep() -> None:
     with kernel_policy("require"):
         with kernel_policy(RMSNorm="disable"):
             with kernel_policy(SiLU="prefer") as innermost:
-                assert innermost is Policy("require", RMSNorm="disable", SiLU="prefer")
+                assert innermost == Policy("require", RMSNorm="disable", SiLU="prefer")
             with kernel_policy("disable", GELU="require") as reset:
-                assert reset is Policy("disable", GELU="require")
-            assert current_policy() is Policy("require", RMSNorm="disable")
-        assert current_policy() is Policy("require")
-    assert current_policy() is Policy("prefer")
+                assert reset == Policy("disable", GELU="require")
+            assert current_policy() == Policy("require", RMSNorm="disable")
+        assert current_policy() == Policy("require")
+    assert current_policy() == Policy("prefer")
 
 
 def test_policy_value_applies_exactly_that_policy() -> None:
     fixed = Policy("prefer", RMSNorm="require")
     with kernel_policy("disable", SiLU="require", GELU="prefer"), kernel_policy(fixed) as entered:
-        assert entered is fixed
-        assert current_policy() is fixed
+        assert entered == fixed
+        assert current_policy() == fixed
         assert current_policy().mode_for("SiLU") == "prefer"
         assert current_policy().mode_for("LayerNorm") == "prefer"
 
@@ -118,25 +118,25 @@ def test_captured_policy_can_be_reapplied() -> None:
 def test_enclosing_is_captured_at_enter_not_at_creation() -> None:
     scope = kernel_policy(SiLU="require")
     with kernel_policy("disable"), scope as first:
-        assert first is Policy("disable", SiLU="require")
+        assert first == Policy("disable", SiLU="require")
     with kernel_policy("prefer", RMSNorm="disable"), scope as second:
-        assert second is Policy("prefer", RMSNorm="disable", SiLU="require")
+        assert second == Policy("prefer", RMSNorm="disable", SiLU="require")
     with scope as bare:
-        assert bare is Policy("prefer", SiLU="require")
+        assert bare == Policy("prefer", SiLU="require")
 
 
 def test_same_scope_object_nested_in_itself() -> None:
     scope = kernel_policy(RMSNorm="disable")
     with kernel_policy("require"):
         with scope as once:
-            assert once is Policy("require", RMSNorm="disable")
+            assert once == Policy("require", RMSNorm="disable")
             with scope as twice:
                 assert twice is once
                 with kernel_policy("prefer"), scope as inside:
-                    assert inside is Policy("prefer", RMSNorm="disable")
+                    assert inside == Policy("prefer", RMSNorm="disable")
                 assert current_policy() is once
             assert current_policy() is once
-        assert current_policy() is Policy("require")
+        assert current_policy() == Policy("require")
 
 
 def test_scope_result_cache_is_correct_for_many_enclosing_policies() -> None:
@@ -149,7 +149,7 @@ def test_scope_result_cache_is_correct_for_many_enclosing_policies() -> None:
                 enclosing = current_policy()
                 with scope as entered:
                     expected = Policy(enclosing.default, **dict(enclosing.layers), RMSNorm="disable")
-                    assert entered is expected
+                    assert entered == expected
                 assert current_policy() is enclosing
 
 
@@ -158,9 +158,9 @@ def test_scope_result_cache_is_correct_for_many_enclosing_policies() -> None:
 
 def test_kernels_disabled_everything() -> None:
     with kernel_policy("require", RMSNorm="prefer"), kp.kernels_disabled() as entered:
-        assert entered is Policy("disable")
-        assert current_policy() is Policy("disable")
-    assert current_policy() is Policy("prefer")
+        assert entered == Policy("disable")
+        assert current_policy() == Policy("disable")
+    assert current_policy() == Policy("prefer")
 
 
 def test_kernels_disabled_named_layers_only() -> None:
@@ -184,8 +184,8 @@ def test_kernels_disabled_equals_kernel_policy_disable() -> None:
             pass
         with kernel_policy(SiLU="disable") as d:
             pass
-    assert a is b
-    assert c is d
+    assert a == b
+    assert c == d
 
 
 @pytest.mark.parametrize(
@@ -226,7 +226,7 @@ def test_bad_modes_raise_at_creation(args: tuple[object, ...], kwargs: dict[str,
     assert fragment in message
     for mode in VALID_MODES_TEXT:
         assert mode in message
-    assert current_policy() is Policy("prefer")
+    assert current_policy() == Policy("prefer")
 
 
 @pytest.mark.parametrize("name", ["a,b", "a=b", "a b", "", "x\n"])
@@ -247,7 +247,7 @@ def test_bad_scope_is_never_entered() -> None:
     with pytest.raises(kp.PolicyError), kernel_policy("bogus"):  # type: ignore[arg-type]
         entered = True
     assert not entered
-    assert current_policy() is Policy("prefer")
+    assert current_policy() == Policy("prefer")
 
 
 def test_bad_decorator_arguments_raise_before_decorating() -> None:
@@ -264,7 +264,7 @@ def test_exiting_twice_raises_scope_error() -> None:
     scope.__exit__(None, None, None)
     with pytest.raises(kp.ScopeError):
         scope.__exit__(None, None, None)
-    assert current_policy() is Policy("prefer")
+    assert current_policy() == Policy("prefer")
 
 
 def test_exiting_twice_inside_an_outer_scope_raises_and_keeps_outer() -> None:
@@ -274,8 +274,8 @@ def test_exiting_twice_inside_an_outer_scope_raises_and_keeps_outer() -> None:
         scope.__exit__(None, None, None)
         with pytest.raises(kp.ScopeError):
             scope.__exit__(None, None, None)
-        assert current_policy() is outer
-    assert current_policy() is Policy("prefer")
+        assert current_policy() == outer
+    assert current_policy() == Policy("prefer")
 
 
 def test_exiting_never_entered_scope_raises() -> None:
@@ -288,17 +288,17 @@ def test_exiting_out_of_order_raises_and_changes_nothing() -> None:
     b = kernel_policy(SiLU="require")
     policy_a = a.__enter__()
     policy_b = b.__enter__()
-    assert policy_b is Policy("disable", SiLU="require")
+    assert policy_b == Policy("disable", SiLU="require")
     try:
         with pytest.raises(kp.ScopeError):
             a.__exit__(None, None, None)
         # The failed exit must not have changed the policy in effect.
-        assert current_policy() is policy_b
+        assert current_policy() == policy_b
     finally:
         b.__exit__(None, None, None)
-        assert current_policy() is policy_a
+        assert current_policy() == policy_a
         a.__exit__(None, None, None)
-    assert current_policy() is Policy("prefer")
+    assert current_policy() == Policy("prefer")
 
 
 def test_exiting_in_another_thread_raises() -> None:
@@ -324,7 +324,7 @@ def test_exiting_in_another_thread_raises() -> None:
         assert current_policy() is entered
     finally:
         scope.__exit__(None, None, None)
-    assert current_policy() is Policy("prefer")
+    assert current_policy() == Policy("prefer")
 
 
 def test_exiting_in_a_copied_context_raises_scope_error() -> None:
@@ -334,10 +334,10 @@ def test_exiting_in_a_copied_context_raises_scope_error() -> None:
     try:
         with pytest.raises(kp.ScopeError):
             ctx.run(scope.__exit__, None, None, None)
-        assert current_policy() is Policy("disable")
+        assert current_policy() == Policy("disable")
     finally:
         scope.__exit__(None, None, None)
-    assert current_policy() is Policy("prefer")
+    assert current_policy() == Policy("prefer")
 
 
 def test_exiting_in_a_copied_context_after_the_owner_exited_raises_scope_error() -> None:
@@ -349,7 +349,7 @@ def test_exiting_in_a_copied_context_after_the_owner_exited_raises_scope_error()
     scope.__enter__()
     ctx = contextvars.copy_context()
     scope.__exit__(None, None, None)
-    assert current_policy() is Policy("prefer")
+    assert current_policy() == Policy("prefer")
     with pytest.raises(kp.ScopeError):
         ctx.run(scope.__exit__, None, None, None)
 
@@ -394,7 +394,7 @@ def test_exiting_in_a_child_task_while_parent_still_inside_raises_scope_error() 
     async def main() -> None:
         with scope:
             await asyncio.create_task(child())
-            assert current_policy() is Policy("disable")
+            assert current_policy() == Policy("disable")
 
     asyncio.run(main())
     assert len(outcome) == 1
@@ -468,7 +468,7 @@ def test_nesting_matches_reference_model(
                     continue
                 scope, before, _ = stack.pop()
                 scope.__exit__(None, None, None)
-                assert current_policy() is before
+                assert current_policy() == before
                 _check(stack[-1][2] if stack else model_base)
                 continue
             index = op % len(pool)
@@ -481,8 +481,8 @@ def test_nesting_matches_reference_model(
         while stack:
             scope, before, _ = stack.pop()
             scope.__exit__(None, None, None)
-            assert current_policy() is before
+            assert current_policy() == before
             _check(stack[-1][2] if stack else model_base)
     finally:
         kp.set_default_policy()
-    assert current_policy() is Policy("prefer")
+    assert current_policy() == Policy("prefer")

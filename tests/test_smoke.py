@@ -4,4 +4,4 @@ import kernelpolicy
 
 
 def test_default_is_prefer() -> None:
-    assert kernelpolicy.current_policy() is kernelpolicy.Policy("prefer")
+    assert kernelpolicy.current_policy() == kernelpolicy.Policy("prefer")

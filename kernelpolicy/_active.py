@@ -1,0 +1,233 @@
+"""What the forwards read: the policy in effect, resolved per layer, and the state that holds it.
+
+This module owns:
+
+- :class:`Active`, the interned object a forward reads: one per (policy,
+  recording), with the resolved mode of every known kernel layer as an
+  attribute (``active.modes.RMSNorm``) and the two facts a traced program
+  depends on (``active.kernel_on.RMSNorm``, ``active.required.RMSNorm``);
+- the state: one :class:`contextvars.ContextVar` for scopes and one
+  process-wide default (``set_default_policy`` or ``KERNELPOLICY`` or the
+  built-in ``prefer``), in :data:`DEFAULTS`;
+- the known layer names (:func:`register_layer_name`, :func:`known_layers`).
+
+How the hot path reads the policy in effect (it does exactly this)::
+
+    DEFAULTS.active._current
+
+``_current`` is ``property(_SCOPED.get)``: the ContextVar's builtin ``get``
+called with the process default's :class:`Active` as its own fallback, so an
+unset variable yields the process default itself. TorchDynamo traces this read
+without a graph break and guards on it, which is what makes a compiled model
+honour the caller's scope (see ``_dispatch``).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from contextvars import ContextVar
+from typing import TYPE_CHECKING, Any, final
+
+from ._policy import BUILTIN, ENV_VAR, MODES, Mode, Policy
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+__all__ = ["DEFAULTS", "Active", "activate", "current_policy", "ensure_env", "known_layers", "register_layer_name"]
+
+#: What ``active.modes`` holds for a mode while calls are recorded: a value the
+#: forward's fast exits do not know, so every call takes the slow path that records.
+RECORDING: dict[Mode, str] = {mode: f"{mode}+record" for mode in MODES}
+PLAIN: dict[str, Mode] = {f"{mode}+record": mode for mode in MODES}
+
+# Scopes. Unset means "no scope active in this context".
+_SCOPED: ContextVar[Active] = ContextVar("kernelpolicy.scoped")
+# The record_calls() recorders active in this context (read in the slow path only).
+RECORDERS: ContextVar[tuple[Any, ...]] = ContextVar("kernelpolicy.recorders", default=())
+
+
+@final
+class _Entries:
+    """An entry for every known kernel layer name, as attributes.
+
+    A forward reads ``active.modes.RMSNorm``: TorchDynamo guards such a read
+    on that one attribute's value, where a ``dict.get`` would be guarded on
+    the whole dict and a fallback to the default on how the mode was derived.
+    Entries are written when a name becomes known and never change.
+    """
+
+
+@final
+class Active:
+    """The policy in effect as a forward reads it (one interned object per policy and recording state).
+
+    ``modes``: each known layer's mode, or its recording twin (see
+    :data:`RECORDING`) while ``record_calls()`` is active; read by eager
+    calls. ``kernel_on`` (the mode is not ``disable``) and ``required`` (it
+    is ``require``): read under TorchDynamo, where they are all a traced
+    program depends on, so policies that spell one program differently share
+    its compiled graph (see ``_dispatch``). ``policy`` is the value the
+    public API returns; recording is not part of it.
+    """
+
+    __slots__ = ("__weakref__", "kernel_on", "modes", "policy", "recording", "required")
+
+    policy: Policy
+    recording: bool
+    modes: _Entries
+    kernel_on: _Entries
+    required: _Entries
+
+    # The scoped Active, or this object when no scope is active. Read it as
+    # ``DEFAULTS.active._current`` (see the module docstring).
+    _current = property(_SCOPED.get)
+
+    def recorded(self, recording: bool) -> Active:
+        """The same policy with call recording switched on or off."""
+        return self if recording == self.recording else activate(self.policy, recording)
+
+    def __repr__(self) -> str:
+        return f"<Active {self.policy!r}{' recording' if self.recording else ''}>"
+
+
+_INTERNED: weakref.WeakValueDictionary[tuple[Policy, bool], Active] = weakref.WeakValueDictionary()
+_INTERN_LOCK = threading.Lock()
+_KNOWN_LAYERS: set[str] = set()
+
+
+def _fill(active: Active, names: Iterable[str]) -> None:
+    """Write the entries of ``names`` into ``active`` (never overwriting one)."""
+    policy = active.policy
+    for name in names:
+        mode = policy.mode_for(name)
+        active.modes.__dict__.setdefault(name, RECORDING[mode] if active.recording else mode)
+        active.kernel_on.__dict__.setdefault(name, mode != "disable")
+        active.required.__dict__.setdefault(name, mode == "require")
+
+
+def activate(policy: Policy, recording: bool = False) -> Active:
+    """The interned :class:`Active` of ``policy``: equal policies give the same object."""
+    key = (policy, recording)
+    found = _INTERNED.get(key)
+    if found is not None:
+        return found
+    with _INTERN_LOCK:
+        found = _INTERNED.get(key)
+        if found is None:
+            found = object.__new__(Active)
+            found.policy = policy
+            found.recording = recording
+            found.modes, found.kernel_on, found.required = _Entries(), _Entries(), _Entries()
+            _fill(found, _KNOWN_LAYERS)
+            _INTERNED[key] = found
+        return found
+
+
+def register_layer_name(name: str) -> None:
+    """Make ``name`` resolvable as ``active.modes.<name>`` in every :class:`Active`, now and later."""
+    if name in _KNOWN_LAYERS:
+        return
+    with _INTERN_LOCK:
+        if name not in _KNOWN_LAYERS:
+            for active in list(_INTERNED.values()):
+                _fill(active, (name,))
+            _KNOWN_LAYERS.add(name)
+
+
+def known_layers() -> frozenset[str]:
+    """The kernel layer names of every policy-aware layer bound so far in this process.
+
+    A policy entry for a name not in here reaches no layer yet (see also
+    ``explain(model).unmatched``).
+
+    >>> import torch, kernelpolicy
+    >>> @kernelpolicy.use_kernel_forward_from_hub("Triple")
+    ... class Triple(torch.nn.Module):
+    ...     def forward(self, x):
+    ...         return 3 * x
+    >>> _ = Triple()
+    >>> "Triple" in kernelpolicy.known_layers()
+    True
+    """
+    return frozenset(_KNOWN_LAYERS)
+
+
+@final
+class _Defaults:
+    """The process-wide part of the state (one instance, :data:`DEFAULTS`)."""
+
+    __slots__ = ("active", "env", "env_loaded", "explicit", "lock")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        #: What unscoped code sees: ``explicit`` or ``env`` or the built-in ``prefer``.
+        self.active: Active = activate(BUILTIN)
+        self.explicit: Policy | None = None
+        self.env: Policy | None = None
+        self.env_loaded = False
+
+    def set(self, policy: Policy) -> None:
+        """Make ``policy`` the process default (called with :attr:`lock` held)."""
+        self.active = activate(policy)
+
+
+DEFAULTS = _Defaults()
+
+
+def _after_fork_in_child() -> None:
+    """A forked child starts with fresh locks: one another thread held at fork time is never released there."""
+    global _INTERN_LOCK
+    _INTERN_LOCK = threading.Lock()
+    DEFAULTS.lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):  # not on Windows
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def ensure_env() -> None:
+    """Read ``KERNELPOLICY`` once, at the first use of the public API.
+
+    An empty or unset variable means the built-in ``prefer``. A malformed one
+    raises :class:`PolicyError` naming the variable, the bad token and the
+    valid modes (and is read again at the next use, so a fixed value works).
+    """
+    if DEFAULTS.env_loaded:
+        return
+    with DEFAULTS.lock:
+        if DEFAULTS.env_loaded:
+            return
+        text = os.environ.get(ENV_VAR, "")
+        env = Policy.parse(text, source=ENV_VAR) if text.strip() else None
+        DEFAULTS.env = env
+        if DEFAULTS.explicit is None:
+            DEFAULTS.set(env if env is not None else BUILTIN)
+        DEFAULTS.env_loaded = True
+
+
+def reload_env() -> Policy | None:
+    """Forget the cached ``KERNELPOLICY`` value and read it again (for tests and tools)."""
+    with DEFAULTS.lock:
+        DEFAULTS.env_loaded = False
+        DEFAULTS.env = None
+        if DEFAULTS.explicit is None:
+            DEFAULTS.set(BUILTIN)
+    ensure_env()
+    return DEFAULTS.env
+
+
+def current_policy() -> Policy:
+    """The policy in effect in this thread or task.
+
+    The innermost active scope, else the process default.
+
+    >>> import kernelpolicy
+    >>> with kernelpolicy.kernel_policy(RMSNorm="disable"):
+    ...     kernelpolicy.current_policy().mode_for("RMSNorm")
+    'disable'
+    """
+    ensure_env()
+    active: Active = DEFAULTS.active._current
+    return active.policy
