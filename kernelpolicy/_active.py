@@ -107,8 +107,22 @@ def _fill(active: Active, names: Iterable[str]) -> None:
         active.required.__dict__.setdefault(name, mode == "require")
 
 
+def _new(policy: Policy, recording: bool) -> Active:
+    """A new :class:`Active` with the entries of every known layer (called with ``_INTERN_LOCK`` held)."""
+    active = object.__new__(Active)
+    active.policy = policy
+    active.recording = recording
+    active.modes, active.kernel_on, active.required = _Entries(), _Entries(), _Entries()
+    _fill(active, _KNOWN_LAYERS)
+    return active
+
+
 def activate(policy: Policy, recording: bool = False) -> Active:
-    """The interned :class:`Active` of ``policy``: equal policies give the same object."""
+    """The interned :class:`Active` of ``policy``: equal policies give the same object.
+
+    Scopes put these in the ContextVar. The process default is read through a
+    separate object (see :class:`_Defaults`).
+    """
     key = (policy, recording)
     found = _INTERNED.get(key)
     if found is not None:
@@ -116,12 +130,7 @@ def activate(policy: Policy, recording: bool = False) -> Active:
     with _INTERN_LOCK:
         found = _INTERNED.get(key)
         if found is None:
-            found = object.__new__(Active)
-            found.policy = policy
-            found.recording = recording
-            found.modes, found.kernel_on, found.required = _Entries(), _Entries(), _Entries()
-            _fill(found, _KNOWN_LAYERS)
-            _INTERNED[key] = found
+            found = _INTERNED[key] = _new(policy, recording)
         return found
 
 
@@ -131,7 +140,7 @@ def register_layer_name(name: str) -> None:
         return
     with _INTERN_LOCK:
         if name not in _KNOWN_LAYERS:
-            for active in list(_INTERNED.values()):
+            for active in [*_INTERNED.values(), DEFAULTS.active]:
                 _fill(active, (name,))
             _KNOWN_LAYERS.add(name)
 
@@ -156,21 +165,32 @@ def known_layers() -> frozenset[str]:
 
 @final
 class _Defaults:
-    """The process-wide part of the state (one instance, :data:`DEFAULTS`)."""
+    """The process-wide part of the state (one instance, :data:`DEFAULTS`).
+
+    ``active`` is what unscoped code sees: the resolved ``explicit`` or ``env``
+    policy or the built-in ``prefer``. It is an :class:`Active` of its own,
+    never the interned one a scope puts in the ContextVar, so that a scope
+    equal to the default still reads another object than the property's
+    owner: TorchDynamo guards a read that returns its owner on identity
+    (``DEFAULTS.active is DEFAULTS.active._current``), which every scope
+    fails, and a read that returns another object on its attribute values,
+    which the default passes too. So a program compiled under any scope,
+    also one equal to the default, serves unscoped calls.
+    """
 
     __slots__ = ("active", "env", "env_loaded", "explicit", "lock")
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        #: What unscoped code sees: ``explicit`` or ``env`` or the built-in ``prefer``.
-        self.active: Active = activate(BUILTIN)
+        self.active: Active = _new(BUILTIN, False)
         self.explicit: Policy | None = None
         self.env: Policy | None = None
         self.env_loaded = False
 
     def set(self, policy: Policy) -> None:
         """Make ``policy`` the process default (called with :attr:`lock` held)."""
-        self.active = activate(policy)
+        with _INTERN_LOCK:
+            self.active = _new(policy, False)
 
 
 DEFAULTS = _Defaults()

@@ -21,9 +21,9 @@ def _clean_policy_state(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.delenv(_policy.ENV_VAR, raising=False)
     _active.DEFAULTS.explicit = None
     _active.reload_env()
-    before = _active.DEFAULTS.active._current
+    before = _active._SCOPED.get(None)
     yield
-    assert _active.DEFAULTS.active._current is before, "a test leaked a policy scope"
+    assert _active._SCOPED.get(None) is before, "a test leaked a policy scope"
     _active.DEFAULTS.explicit = None
     _active.reload_env()
 

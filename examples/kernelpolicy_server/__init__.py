@@ -50,7 +50,7 @@ MAX_NEW_TOKENS = 32
 MAX_INPUT_TOKENS = 256
 
 
-def build_model(kernel_root: Path) -> Any:
+def build_model(kernel_root: Path, traceable: bool = True) -> Any:
     """A tiny Llama built from a config (no download), kernelized with a local CPU RMSNorm kernel.
 
     The kernel repository is written under ``kernel_root``; it is bit-exact with
@@ -58,7 +58,7 @@ def build_model(kernel_root: Path) -> Any:
     """
     import kernels
 
-    repo = write_kernel_repo(kernel_root, rms_norm_kernel_source(), name="server-rmsnorm")
+    repo = write_kernel_repo(kernel_root, rms_norm_kernel_source(can_torch_compile=traceable), name="server-rmsnorm")
     model = tiny_llama(seed=0)
     # Greedy, and exactly max_new_tokens: no end-of-sequence token stops generation early.
     model.generation_config.eos_token_id = None
