@@ -27,8 +27,9 @@ if str(ROOT) not in sys.path:  # plain `pytest` (importlib mode) does not put th
 import torch  # noqa: E402
 from starlette.testclient import TestClient  # noqa: E402
 
-from examples.kernelpolicy_server import HEADER, MAX_NEW_TOKENS, create_app  # noqa: E402
-from examples.kernelpolicy_server.loadtest import CASES, main, parser_message  # noqa: E402
+import kernelpolicy as kp  # noqa: E402
+from examples.kernelpolicy_server import HEADER, MAX_NEW_TOKENS, create_app, not_served_message  # noqa: E402
+from examples.kernelpolicy_server.loadtest import ALLOWED, CASES, main, parser_message  # noqa: E402
 from kernelpolicy import MODES  # noqa: E402
 
 PROMPT = [5, 17, 99, 3, 250, 0, 42, 8]
@@ -142,7 +143,7 @@ def test_load_test_mixed_policies_no_leaks(tmp_path: Path, capsys: pytest.Captur
         assert "'fast'" in message and VALID_MODES in message
     assert checks["require_422"] == checks["require_sent"] > 0
     assert checks["served_after_malformed"] and checks["generated_200_after_first_400"] > 0
-    assert checks["tokens_identical_across_policies"]
+    assert checks["tokens_follow_the_path"] and checks["compiles_after_warmup"] is None
     assert checks["server_shutdown_clean"]
     assert all(case["matched"] == case["sent"] > 0 for case in results["cases"])
 
@@ -158,3 +159,38 @@ def test_load_test_mixed_policies_no_leaks(tmp_path: Path, capsys: pytest.Captur
     ratio = results["ratio_policies_to_prefer"]
     assert all(finite_positive(ratio[key]) for key in ("generations_per_s", "p50_latency", "p99_latency"))
     assert "**0** of 120" in printed and "Per-request policies / no policies" in printed
+
+
+def test_compiled_load_test_five_policies_no_leaks_no_compiles_after_warmup(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The compiled server (backend eager: Dynamo's capture and guards, without inductor's minutes on 2 cores)."""
+    out = tmp_path / "loadtest.json"
+    argv = ["--compile", "--compile-backend", "eager", "--requests", "40", "--concurrency", "8", "--timeout", "400"]
+    rc = main([*argv, "--json", str(out)])
+    printed = capsys.readouterr().out
+    results = json.loads(out.read_text())
+    checks = results["checks"]
+    assert rc == 0 and results["passed"], printed
+    assert checks["leaks"] == 0 and checks["transport_errors"] == 0 and checks["responses_checked"] == 120
+    assert checks["compiled_graphs"]["policies"] == [str(p) for p in ALLOWED] and len(ALLOWED) == 5
+    # 2 programs (RMSNorm kernel on / off) x 2 sequence-length classes (1, >= 2), none after warm-up.
+    assert checks["compiled_graphs"]["graphs_at_warmup"] == 4
+    assert checks["compiles_after_warmup"] == 0
+    assert checks["tokens_follow_the_path"] and checks["prompts"] == 4
+    unlisted = [c for c in results["cases"] if c["header"] in ("require", "prefer,SiLU=disable")]
+    assert len(unlisted) == 2 and all(c["expected_status"] == 400 and c["matched"] == c["sent"] > 0 for c in unlisted)
+    assert "| graphs compiled at warm-up / after it | 4 / **0** (5 policies) |" in printed
+
+
+def test_an_allowlist_needs_compiled_serving() -> None:
+    with pytest.raises(ValueError, match=r"allowlist of policies is for compiled serving: pass compile=True"):
+        create_app(policies=["disable"])
+    with pytest.raises(kp.PolicyError, match=r"--policy='fast': unknown kernel policy mode 'fast'"):
+        create_app(compile=True, policies=["fast"])
+
+
+def test_not_served_message_names_the_policy_and_the_allowed_ones() -> None:
+    message = not_served_message(kp.Policy("require"), ALLOWED)
+    assert message.startswith("policy 'require' is not served by this compiled server")
+    assert message.endswith("allowed policies: " + ", ".join(repr(str(p)) for p in ALLOWED))

@@ -8,6 +8,18 @@ work to a thread pool wrapped in :func:`kernelpolicy.propagate`, which carries
 the policy and the recorder into the worker thread. The reply holds the new
 tokens, the policy the worker saw and the calls per kernel layer and path.
 
+Compiled serving (``--compile``): the model runs through ``torch.compile(model,
+fullgraph=True, dynamic=True)`` and decodes greedily without a KV cache (one
+symbolic sequence length, so one graph per program and prompt-length class).
+Only an allowlist of policies is served (``--policy``, repeatable; the process
+default always): they are compiled at start-up with :func:`kernelpolicy.warmup`
+in the one worker thread that then runs every request (TorchDynamo races on its
+cache when fresh threads call a compiled model), and a header naming another
+policy is a 400 that lists the allowed ones. ``/healthz`` reports the graphs
+compiled at warm-up and since. Compiled graphs run no Python, so ``calls`` is
+empty there; the compiled server's kernel adds :data:`COMPILED_KERNEL_OFFSET`
+so that the tokens show which path RMSNorm took.
+
 Run it with ``python -m examples.kernelpolicy_server --port 8000`` (loopback only).
 """
 
@@ -23,6 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch._dynamo
 from starlette.applications import Starlette
 from starlette.responses import JSONResponse
 from starlette.routing import Route
@@ -31,34 +44,40 @@ import kernelpolicy
 from kernelpolicy.testing import rms_norm_kernel_source, tiny_llama, write_kernel_repo
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator
+    from collections.abc import AsyncIterator, Callable, Sequence
 
     from starlette.requests import Request
 
 __all__ = [
+    "COMPILED_KERNEL_OFFSET",
     "HEADER",
     "MAX_INPUT_TOKENS",
     "MAX_NEW_TOKENS",
     "VOCAB_SIZE",
     "build_model",
     "create_app",
+    "not_served_message",
 ]
 
 HEADER = "X-Kernel-Policy"
 VOCAB_SIZE = 256  # tiny_llama's vocabulary
 MAX_NEW_TOKENS = 32
 MAX_INPUT_TOKENS = 256
+#: Added by the compiled server's RMSNorm kernel: the kernel and the original path give other tokens.
+COMPILED_KERNEL_OFFSET = 0.5
 
 
-def build_model(kernel_root: Path, traceable: bool = True) -> Any:
-    """A tiny Llama built from a config (no download), kernelized with a local CPU RMSNorm kernel.
+def build_model(kernel_root: Path, *, offset: float = 0.0) -> Any:
+    """A tiny Llama built from a config (no download), kernelized with a local RMSNorm kernel.
 
-    The kernel repository is written under ``kernel_root``; it is bit-exact with
+    The kernel repository is written under ``kernel_root``; it declares
+    ``can_torch_compile = True``. With ``offset=0`` it is bit-exact with
     Llama's RMSNorm, so every policy yields the same tokens.
     """
     import kernels
 
-    repo = write_kernel_repo(kernel_root, rms_norm_kernel_source(can_torch_compile=traceable), name="server-rmsnorm")
+    source = rms_norm_kernel_source(can_torch_compile=True, offset=offset)
+    repo = write_kernel_repo(kernel_root, source, name="server-rmsnorm")
     model = tiny_llama(seed=0)
     # Greedy, and exactly max_new_tokens: no end-of-sequence token stops generation early.
     model.generation_config.eos_token_id = None
@@ -70,10 +89,26 @@ def build_model(kernel_root: Path, traceable: bool = True) -> Any:
     return model
 
 
+class _CountingBackend:
+    """A ``torch.compile`` backend that counts the graphs it compiles, then hands them to ``name``."""
+
+    def __init__(self, name: str) -> None:
+        self.compile = torch._dynamo.lookup_backend(name)  # no public lookup; torch.compile uses this one
+        self.graphs = 0
+
+    def __call__(self, graph: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Callable[..., Any]:
+        self.graphs += 1
+        compiled: Callable[..., Any] = self.compile(graph, example_inputs)
+        return compiled
+
+
 @dataclass
 class _State:
-    model: Any
+    generate: Callable[[list[int], int], tuple[list[int], str]]
     executor: ThreadPoolExecutor
+    allowed: tuple[kernelpolicy.Policy, ...] | None = None  # compiled serving: the warmed-up policies
+    backend: _CountingBackend | None = None
+    graphs_at_warmup: int = 0
 
 
 def _generate(model: Any, input_ids: list[int], max_new_tokens: int) -> tuple[list[int], str]:
@@ -82,6 +117,24 @@ def _generate(model: Any, input_ids: list[int], max_new_tokens: int) -> tuple[li
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens)
     return [int(t) for t in out[0, len(input_ids) :]], str(kernelpolicy.current_policy())
+
+
+def _greedy(compiled: Any, input_ids: list[int], max_new_tokens: int) -> tuple[list[int], str]:
+    """The compiled server's generation: greedy, the whole sequence each step (no cache, one symbolic length)."""
+    ids = torch.tensor([input_ids], dtype=torch.long)
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            logits = compiled(input_ids=ids, use_cache=False).logits
+            ids = torch.cat([ids, logits[:, -1:].argmax(-1)], dim=1)
+    return [int(t) for t in ids[0, len(input_ids) :]], str(kernelpolicy.current_policy())
+
+
+def not_served_message(policy: kernelpolicy.Policy, allowed: Sequence[kernelpolicy.Policy]) -> str:
+    """The 400 of the compiled server for a valid policy outside its allowlist."""
+    return (
+        f"policy {str(policy)!r} is not served by this compiled server (each policy it serves is compiled "
+        f"at start-up); allowed policies: {', '.join(repr(str(p)) for p in allowed)}"
+    )
 
 
 def _error(message: str, status: int, **extra: Any) -> JSONResponse:
@@ -119,6 +172,8 @@ async def generate(request: Request) -> JSONResponse:
         )
     except kernelpolicy.PolicyError as exc:
         return _error(str(exc), 400)
+    if state.allowed is not None and policy not in state.allowed:
+        return _error(not_served_message(policy, state.allowed), 400)
     try:
         input_ids, max_new_tokens = _parse_body(await request.json())
     except ValueError as exc:  # also json.JSONDecodeError and bad UTF-8
@@ -126,7 +181,7 @@ async def generate(request: Request) -> JSONResponse:
 
     loop = asyncio.get_running_loop()
     with kernelpolicy.kernel_policy(policy), kernelpolicy.record_calls() as calls:
-        work = kernelpolicy.propagate(functools.partial(_generate, state.model, input_ids, max_new_tokens))
+        work = kernelpolicy.propagate(functools.partial(state.generate, input_ids, max_new_tokens))
         try:
             tokens, seen = await loop.run_in_executor(state.executor, work)
         except kernelpolicy.KernelUnavailableError as exc:  # e.g. "require" where a layer has no kernel
@@ -135,22 +190,70 @@ async def generate(request: Request) -> JSONResponse:
 
 
 async def healthz(request: Request) -> JSONResponse:
-    """``GET /healthz``: 200 once the model is loaded."""
-    return JSONResponse({"status": "ok", "default_policy": str(kernelpolicy.current_policy())})
+    """``GET /healthz``: 200 once the model is loaded (and, compiled, warmed up)."""
+    state: _State = request.app.state.kp
+    body: dict[str, Any] = {"status": "ok", "default_policy": str(kernelpolicy.current_policy())}
+    if state.backend is not None and state.allowed is not None:
+        body["compiled"] = {
+            "policies": [str(p) for p in state.allowed],
+            "graphs_at_warmup": state.graphs_at_warmup,
+            "graphs": state.backend.graphs,
+        }
+    return JSONResponse(body)
 
 
-def create_app(*, workers: int = 4) -> Starlette:
-    """The ASGI app. Its lifespan builds the model and a pool of ``workers`` threads."""
+def _warm_up_compiled(compiled: Any, policies: Sequence[kernelpolicy.Policy]) -> None:
+    """Compile every allowed policy's programs as requests call them: without grad, one token and more.
+
+    Sequence length 1 is its own graph (TorchDynamo specialises sizes 0 and 1).
+    """
+    with torch.no_grad():
+        for prompt in ([1], [1, 2]):
+            kernelpolicy.warmup(compiled, input_ids=torch.tensor([prompt]), use_cache=False, policies=policies)
+
+
+def create_app(
+    *,
+    workers: int = 4,
+    compile: bool = False,
+    compile_backend: str = "inductor",
+    policies: Sequence[str | kernelpolicy.Policy] | None = None,
+) -> Starlette:
+    """The ASGI app. Its lifespan builds the model and a pool of ``workers`` threads.
+
+    ``compile``: compiled serving (see the module docstring) with one worker
+    thread and ``compile_backend``; ``policies`` is then the allowlist
+    (the process default is always served). Without ``compile``, ``policies``
+    must be None: the eager server serves every policy.
+    """
+    if policies is not None and not compile:
+        raise ValueError("an allowlist of policies is for compiled serving: pass compile=True (--compile)")
+    allowed: tuple[kernelpolicy.Policy, ...] | None = None
+    if compile:
+        checked = [kernelpolicy.Policy.parse(p, source="--policy") if isinstance(p, str) else p for p in policies or ()]
+        allowed = tuple(dict.fromkeys([kernelpolicy.current_policy(), *checked]))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         torch.set_num_threads(1)  # the workers run requests in parallel, one core each
+        loop = asyncio.get_running_loop()
         with tempfile.TemporaryDirectory(prefix="kernelpolicy-server-") as root:
-            model = build_model(Path(root) / "rmsnorm")
-            with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="generate") as executor:
-                # Warm up (first generate pays lazy initialisation), off the loop like every request.
-                await asyncio.get_running_loop().run_in_executor(executor, _generate, model, [1, 2, 3], 2)
-                app.state.kp = _State(model=model, executor=executor)
+            if allowed is None:
+                model = build_model(Path(root) / "rmsnorm")
+                with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="generate") as executor:
+                    # Warm up (first generate pays lazy initialisation), off the loop like every request.
+                    await loop.run_in_executor(executor, _generate, model, [1, 2, 3], 2)
+                    app.state.kp = _State(functools.partial(_generate, model), executor)
+                    yield
+                return
+            model = build_model(Path(root) / "rmsnorm", offset=COMPILED_KERNEL_OFFSET).eval()
+            backend = _CountingBackend(compile_backend)
+            compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=True)
+            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="generate") as executor:
+                await loop.run_in_executor(executor, _warm_up_compiled, compiled, allowed)
+                app.state.kp = _State(
+                    functools.partial(_greedy, compiled), executor, allowed, backend, graphs_at_warmup=backend.graphs
+                )
                 yield
 
     return Starlette(

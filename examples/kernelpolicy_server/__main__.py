@@ -15,9 +15,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workers", type=int, default=4, help="model worker threads (default 4)")
     parser.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
     parser.add_argument("--no-access-log", action="store_true", help="do not log each request")
+    parser.add_argument("--compile", action="store_true", help="compiled serving of an allowlist of policies")
+    parser.add_argument("--compile-backend", default="inductor", help="torch.compile backend (default inductor)")
+    parser.add_argument(
+        "--policy",
+        action="append",
+        dest="policies",
+        metavar="POLICY",
+        help="with --compile: a policy to serve (repeatable; the default policy is always served)",
+    )
     args = parser.parse_args(argv)
+    if args.policies and not args.compile:
+        parser.error("--policy is an allowlist for compiled serving; add --compile")
     uvicorn.run(
-        create_app(workers=args.workers),
+        create_app(
+            workers=args.workers, compile=args.compile, compile_backend=args.compile_backend, policies=args.policies
+        ),
         host="127.0.0.1",
         port=args.port,
         log_level=args.log_level,

@@ -25,6 +25,15 @@ one async httpx client:
   that warm-up and drift of a shared machine fall on both. Every response is
   checked as in the mixed phase.
 
+With ``--compile`` [``--compile-backend eager``] the server is the compiled
+one (``--compile`` and one ``--policy`` per valid header above: five allowed
+policies, warmed up at start). There ``require`` and a valid but unlisted
+policy must be 400s naming the allowed policies; ``calls`` must be empty (a
+compiled graph runs no Python); the path shows in the tokens instead (the
+compiled server's kernel adds an offset): for one prompt, every request whose
+RMSNorm takes one path must get the same tokens, and the two paths must
+differ. ``/healthz`` at the end must report no graph compiled after warm-up.
+
 It prints a Markdown summary (throughput of the phases, the cost ratio,
 latency percentiles, the checks), optionally writes JSON, stops the server
 and exits 1 if a check failed. Loopback only; bounded in count and time.
@@ -56,7 +65,9 @@ import httpx
 
 from kernelpolicy import Policy, PolicyError
 
-__all__ = ["CASES", "Case", "main", "run_loadtest"]
+from . import not_served_message
+
+__all__ = ["ALLOWED", "CASES", "COMPILED_CASES", "Case", "Setup", "main", "run_loadtest"]
 
 ROOT = Path(__file__).resolve().parents[2]
 HEADER = "X-Kernel-Policy"
@@ -92,6 +103,33 @@ CASES: tuple[Case, ...] = (
     Case("RMSNorm=fast", 400),
     Case("disable,SiLU=fast", 400),
 )
+#: The compiled server's allowlist: the policies of the generating cases (the default is always served).
+ALLOWED: tuple[Policy, ...] = tuple(Policy.parse(c.header or "prefer") for c in CASES if c.status == 200)
+COMPILED_CASES: tuple[Case, ...] = (
+    *(c for c in CASES if c.status in (200, 400)),
+    Case("require", 400),  # valid, not in the allowlist
+    Case("prefer,SiLU=disable", 400),  # the same program as prefer, but not in the allowlist
+)
+
+
+@dataclass(frozen=True)
+class Setup:
+    """Which server runs: eager (every policy) or compiled (an allowlist, warmed up)."""
+
+    compiled: bool = False
+    backend: str = "inductor"
+
+    @property
+    def cases(self) -> tuple[Case, ...]:
+        return COMPILED_CASES if self.compiled else CASES
+
+    def server_args(self) -> list[str]:
+        if not self.compiled:
+            return []
+        return ["--compile", "--compile-backend", self.backend, *(f"--policy={p}" for p in ALLOWED)]
+
+
+EAGER = Setup()
 
 
 @dataclass
@@ -133,8 +171,16 @@ def parser_message(header: str) -> str:
     raise AssertionError(f"{header!r} is not malformed")
 
 
-def check(result: Result, steps: int) -> str | None:
-    """Why ``result`` does not match its case's policy, or None."""
+def message_400(header: str) -> str:
+    """The parser's message for a malformed header, else (compiled server) the allowlist's."""
+    try:
+        return not_served_message(Policy.parse(header), ALLOWED)
+    except PolicyError:
+        return parser_message(header)
+
+
+def check(result: Result, steps: int, setup: Setup = EAGER) -> str | None:
+    """Why ``result`` does not match its case's policy, or None (tokens are compared across responses)."""
     case, body = result.case, result.body
     if result.status != case.status:
         return f"status {result.status}, expected {case.status}: {str(body)[:200]}"
@@ -142,8 +188,8 @@ def check(result: Result, steps: int) -> str | None:
         return f"body is not a JSON object: {str(body)[:200]}"
     if case.status == 400:
         assert case.header is not None
-        if body.get("error") != parser_message(case.header):
-            return f"400 without the parser's message: {body!r}"
+        if body.get("error") != message_400(case.header):
+            return f"400 without the expected message: {body!r}"
         return None
     if case.status == 422:
         error, calls = str(body.get("error", "")), body.get("calls")
@@ -160,9 +206,28 @@ def check(result: Result, steps: int) -> str | None:
     tokens = body.get("tokens")
     if not isinstance(tokens, list) or len(tokens) != steps:
         return f"expected {steps} tokens, got {tokens!r}"
-    if body.get("calls") != expected_calls(case, steps):
-        return f"calls {body.get('calls')!r}, expected {expected_calls(case, steps)!r}"
+    expected = {} if setup.compiled else expected_calls(case, steps)  # a compiled graph runs no Python
+    if body.get("calls") != expected:
+        return f"calls {body.get('calls')!r}, expected {expected!r}"
     return None
+
+
+def tokens_follow_the_path(results: list[Result], setup: Setup) -> tuple[bool, int]:
+    """(check, prompts): per prompt, one token sequence per RMSNorm path; eager: one for both (bit-exact
+    kernel), compiled: two distinct ones (the kernel adds an offset), so a request on the wrong path shows."""
+    seen: dict[int, dict[str, set[tuple[int, ...]]]] = {}
+    for r in results:
+        if r.status == 200 and r.case.rmsnorm and isinstance(r.body, dict) and isinstance(r.body.get("tokens"), list):
+            seen.setdefault(r.prompt, {}).setdefault(r.case.rmsnorm, set()).add(tuple(r.body["tokens"]))
+    ok = bool(seen)
+    for paths in seen.values():
+        sequences = [next(iter(found)) for found in paths.values()]
+        ok = ok and all(len(found) == 1 for found in paths.values())
+        if setup.compiled:
+            ok = ok and len(paths) == 2 and sequences[0] != sequences[1]
+        else:
+            ok = ok and len(set(sequences)) == 1
+    return ok, len(seen)
 
 
 def _free_port() -> int:
@@ -199,7 +264,9 @@ async def _wait_healthy(server: Server, deadline: float) -> bool:
     raise RuntimeError(f"server not healthy within the start-up timeout:\n{server.log_tail()}")
 
 
-async def start_server(workers: int, log: IO[bytes], deadline: float, started: list[Server]) -> Server:
+async def start_server(
+    workers: int, log: IO[bytes], deadline: float, started: list[Server], setup: Setup = EAGER
+) -> Server:
     """The example server in a subprocess on a free loopback port (a few tries if a port is taken).
 
     Every process started is appended to ``started``: the caller stops them, whatever happens here.
@@ -209,7 +276,7 @@ async def start_server(workers: int, log: IO[bytes], deadline: float, started: l
     for _ in range(3):
         port = _free_port()
         command = [sys.executable, "-m", "examples.kernelpolicy_server", "--port", str(port)]
-        command += ["--workers", str(workers), "--no-access-log", "--log-level", "info"]
+        command += ["--workers", str(workers), "--no-access-log", "--log-level", "info", *setup.server_args()]
         process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
         started.append(Server(process, port, log))
         if await _wait_healthy(started[-1], deadline):
@@ -293,14 +360,14 @@ def _stats(results: list[Result], wall: float) -> dict[str, Any]:
     }
 
 
-async def _probe_after_malformed(client: httpx.AsyncClient, prompt: list[int], steps: int) -> bool:
+async def _probe_after_malformed(client: httpx.AsyncClient, prompt: list[int], steps: int, setup: Setup) -> bool:
     """One malformed request, then a valid one and /healthz, in sequence: the server must still serve."""
     bad = await client.post("/generate", json={"input_ids": prompt, "max_new_tokens": steps}, headers={HEADER: "fast"})
     good = await client.post(
         "/generate", json={"input_ids": prompt, "max_new_tokens": steps}, headers={HEADER: "disable"}
     )
     health = await client.get("/healthz")
-    good_ok = good.status_code == 200 and check(Result(DISABLE, 0, 200, good.json(), 0, 0), steps) is None
+    good_ok = good.status_code == 200 and check(Result(DISABLE, 0, 200, good.json(), 0, 0), steps, setup) is None
     return bad.status_code == 400 and good_ok and health.status_code == 200
 
 
@@ -315,11 +382,12 @@ def _versions() -> dict[str, str]:
 
 
 async def _run(
-    requests: int, concurrency: int, steps: int, workers: int, timeout: float, log: IO[bytes]
+    requests: int, concurrency: int, steps: int, workers: int, timeout: float, log: IO[bytes], setup: Setup
 ) -> dict[str, Any]:
     prompts = _prompts()
-    mixed_plan = _plan(requests, CASES, len(prompts))
-    policies_plan = _plan(requests, tuple(c for c in CASES if c.status == 200), len(prompts))
+    cases = setup.cases
+    mixed_plan = _plan(requests, cases, len(prompts))
+    policies_plan = _plan(requests, tuple(c for c in cases if c.status == 200), len(prompts))
     prefer_plan = [(PREFER, prompt) for _, prompt in policies_plan]
     half = len(policies_plan) // 2
     halves = [
@@ -332,19 +400,20 @@ async def _run(
     walls = dict.fromkeys(sent, 0.0)
     started: list[Server] = []
     try:
-        server = await start_server(workers, log, time.monotonic() + min(timeout, 180.0), started)
+        server = await start_server(workers, log, time.monotonic() + min(timeout, 300.0), started, setup)
         limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
         async with httpx.AsyncClient(base_url=server.url, timeout=60.0, limits=limits) as client:
             # Warm-up, not measured: every case once, and the connection pool.
             await _send_all(
-                client, _plan(max(len(CASES), concurrency), CASES, len(prompts)), prompts, steps, concurrency
+                client, _plan(max(len(cases), concurrency), cases, len(prompts)), prompts, steps, concurrency
             )
             mixed, mixed_wall = await _send_all(client, mixed_plan, prompts, steps, concurrency)
-            served_after = await _probe_after_malformed(client, prompts[0], steps)
+            served_after = await _probe_after_malformed(client, prompts[0], steps, setup)
             for name, plan in halves:
                 results, wall = await _send_all(client, plan, prompts, steps, concurrency)
                 sent[name] += results
                 walls[name] += wall
+            compiled = (await client.get("/healthz")).json().get("compiled")
     finally:
         exit_code = [stop_server(s) for s in started][-1] if started else None
         log_text = started[-1].log_tail(1_000_000) if started else ""
@@ -353,16 +422,13 @@ async def _run(
     policies_stats, prefer_stats = _stats(policies, walls["policies"]), _stats(prefer, walls["prefer"])
 
     everything = mixed + policies + prefer
-    leaks = [(r, why) for r in everything if r.status is not None and (why := check(r, steps)) is not None]
+    leaks = [(r, why) for r in everything if r.status is not None and (why := check(r, steps, setup)) is not None]
     transport = [r for r in everything if r.status is None]
     malformed = [r for r in mixed if r.case.status == 400]
     required = [r for r in mixed if r.case.status == 422]
-    tokens: dict[int, set[tuple[int, ...]]] = {}
-    for r in everything:
-        if r.status == 200 and isinstance(r.body, dict) and isinstance(r.body.get("tokens"), list):
-            tokens.setdefault(r.prompt, set()).add(tuple(r.body["tokens"]))
+    tokens_ok, prompts_seen = tokens_follow_the_path(everything, setup)
     per_case = []
-    for case in CASES:
+    for case in cases:
         rows = [r for r in mixed if r.case == case]
         latencies = [r.latency_s for r in rows]
         per_case.append(
@@ -370,7 +436,7 @@ async def _run(
                 "header": case.header,
                 "expected_status": case.status,
                 "sent": len(rows),
-                "matched": sum(1 for r in rows if r.status is not None and check(r, steps) is None),
+                "matched": sum(1 for r in rows if r.status is not None and check(r, steps, setup) is None),
                 "p50_ms": _ms(_percentile(latencies, 0.5)),
             }
         )
@@ -387,7 +453,8 @@ async def _run(
             "requests": requests,
             "concurrency": concurrency,
             "max_new_tokens": steps,
-            "workers": workers,
+            "workers": 1 if setup.compiled else workers,
+            "compiled": f"torch.compile, backend {setup.backend}" if setup.compiled else None,
             "versions": _versions(),
         },
         "phases": {"mixed": mixed_stats, "policies": policies_stats, "prefer": prefer_stats},
@@ -403,13 +470,15 @@ async def _run(
             "transport_error_examples": [str(r.body) for r in transport[:5]],
             "responses_checked": len(everything) - len(transport),
             "malformed_sent": len(malformed),
-            "malformed_400_with_parser_message": sum(1 for r in malformed if check(r, steps) is None),
+            "malformed_400_with_parser_message": sum(1 for r in malformed if check(r, steps, setup) is None),
             "require_sent": len(required),
-            "require_422": sum(1 for r in required if check(r, steps) is None),
+            "require_422": sum(1 for r in required if check(r, steps, setup) is None),
             "generated_200_after_first_400": ok_after_400,
             "served_after_malformed": served_after and ok_after_400 > 0,
-            "tokens_identical_across_policies": bool(tokens) and all(len(seen) == 1 for seen in tokens.values()),
-            "prompts": len(tokens),
+            "tokens_follow_the_path": tokens_ok,
+            "prompts": prompts_seen,
+            "compiled_graphs": compiled,
+            "compiles_after_warmup": None if compiled is None else compiled["graphs"] - compiled["graphs_at_warmup"],
             "server_exit_code": exit_code,
             # uvicorn ends on the SIGTERM it re-raises after a graceful shutdown (exit code -15)
             "server_shutdown_clean": exit_code in (0, -signal.SIGTERM)
@@ -429,7 +498,8 @@ def passed(results: dict[str, Any]) -> bool:
         and c["malformed_400_with_parser_message"] == c["malformed_sent"]
         and c["require_422"] == c["require_sent"]
         and c["served_after_malformed"]
-        and c["tokens_identical_across_policies"]
+        and c["tokens_follow_the_path"]
+        and c["compiles_after_warmup"] in (None, 0)
         and c["server_shutdown_clean"]
     )
 
@@ -442,14 +512,15 @@ def run_loadtest(
     workers: int = 4,
     timeout: float = 600.0,
     command: str | None = None,
+    setup: Setup = EAGER,
 ) -> dict[str, Any]:
     """Run the phases against a fresh server subprocess; the results (see :func:`markdown`)."""
-    if requests < len(CASES) or concurrency < 1 or not 1 <= max_new_tokens <= 32:
-        raise ValueError(f"need requests >= {len(CASES)}, concurrency >= 1 and 1 <= max_new_tokens <= 32")
+    if requests < len(setup.cases) or concurrency < 1 or not 1 <= max_new_tokens <= 32:
+        raise ValueError(f"need requests >= {len(setup.cases)}, concurrency >= 1 and 1 <= max_new_tokens <= 32")
     with tempfile.NamedTemporaryFile(prefix="kernelpolicy-server-", suffix=".log") as log:
         try:
             results = asyncio.run(
-                asyncio.wait_for(_run(requests, concurrency, max_new_tokens, workers, timeout, log), timeout)
+                asyncio.wait_for(_run(requests, concurrency, max_new_tokens, workers, timeout, log, setup), timeout)
             )
         except (TimeoutError, asyncio.TimeoutError) as exc:  # distinct classes on Python 3.10
             raise TimeoutError(f"load test exceeded {timeout} s") from exc
@@ -467,7 +538,8 @@ def markdown(results: dict[str, Any]) -> str:
         "",
         f"`{meta['command']}`: {meta['requests']} requests per phase, concurrency {meta['concurrency']}, "
         f"{meta['max_new_tokens']} new tokens each, {meta['workers']} worker threads (torch 1 thread each), "
-        f"{meta['cpus']} CPUs. Python {v['python']}, torch {v['torch']}, transformers {v['transformers']}, "
+        + (f"compiled ({meta['compiled']}, warmed up), " if meta.get("compiled") else "")
+        + f"{meta['cpus']} CPUs. Python {v['python']}, torch {v['torch']}, transformers {v['transformers']}, "
         f"kernels {v['kernels']}, starlette {v['starlette']}, uvicorn {v['uvicorn']}, httpx {v['httpx']}.",
         "",
         "| phase | requests | statuses | wall s | requests/s | generations/s | p50 ms (200) | p99 ms (200) |",
@@ -492,13 +564,21 @@ def markdown(results: dict[str, Any]) -> str:
         "| --- | --- |",
         f"| leaks (responses not matching their own policy) | **{checks['leaks']}** of {checks['responses_checked']} |",
         f"| transport errors | {checks['transport_errors']} |",
-        f"| malformed headers answered 400 with the parser's message | "
+        f"| malformed (compiled: or unlisted) headers answered 400 with the parser's (allowlist's) message | "
         f"{checks['malformed_400_with_parser_message']} / {checks['malformed_sent']} |",
         f"| `require` answered 422 (SiLU, rotary embedding: no kernel) | {checks['require_422']} / {checks['require_sent']} |",
         f"| served after malformed headers | {'yes' if checks['served_after_malformed'] else 'NO'} "
         f"({checks['generated_200_after_first_400']} generations after the first 400) |",
-        f"| tokens identical across policies | {'yes' if checks['tokens_identical_across_policies'] else 'NO'} "
-        f"({checks['prompts']} prompts) |",
+        f"| tokens follow the RMSNorm path (eager: identical, bit-exact kernel; compiled: one sequence per path, "
+        f"paths distinct) | {'yes' if checks['tokens_follow_the_path'] else 'NO'} ({checks['prompts']} prompts) |",
+        *(
+            [
+                f"| graphs compiled at warm-up / after it | {checks['compiled_graphs']['graphs_at_warmup']} / "
+                f"**{checks['compiles_after_warmup']}** ({len(checks['compiled_graphs']['policies'])} policies) |"
+            ]
+            if checks["compiled_graphs"]
+            else []
+        ),
         f"| server shut down cleanly | {'yes' if checks['server_shutdown_clean'] else 'NO'} "
         f"(exit code {checks['server_exit_code']}) |",
         "",
@@ -523,6 +603,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=4, help="server worker threads (default 4)")
     parser.add_argument("--timeout", type=float, default=600.0, help="overall limit in seconds (default 600)")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    parser.add_argument("--compile", action="store_true", help="load-test the compiled server (five allowed policies)")
+    parser.add_argument("--compile-backend", default="inductor", help="its torch.compile backend (default inductor)")
     args = parser.parse_args(argv)
     command = shlex.join(
         ["python", "-m", "examples.kernelpolicy_server.loadtest", *(sys.argv[1:] if argv is None else argv)]
@@ -534,6 +616,7 @@ def main(argv: list[str] | None = None) -> int:
         workers=args.workers,
         timeout=args.timeout,
         command=command,
+        setup=Setup(compiled=args.compile, backend=args.compile_backend),
     )
     print(markdown(results))
     if args.json is not None:
