@@ -31,7 +31,7 @@ from ._scope import kernel_policy, kernels_disabled, propagate, set_default_poli
 if TYPE_CHECKING:
     from ._accounting import CallCounts, record_calls
     from ._binding import attach, kernelize, replace_kernel_forward_from_hub, use_kernel_forward_from_hub
-    from ._explain import Explanation, LayerRow, explain
+    from ._explain import Explanation, LayerRow, explain, will_use_kernel
     from ._state import ExecutionState, execution_state
     from ._warmup import WarmupReport, warmup
 
@@ -53,6 +53,7 @@ _LAZY = {
     "Explanation": "._explain",
     "LayerRow": "._explain",
     "explain": "._explain",
+    "will_use_kernel": "._explain",
     "WarmupReport": "._warmup",
     "warmup": "._warmup",
 }
@@ -99,4 +100,5 @@ __all__ = [
     "set_default_policy",
     "use_kernel_forward_from_hub",
     "warmup",
+    "will_use_kernel",
 ]

@@ -1,9 +1,10 @@
 """Introspection: which path each kernel layer of a model would take now.
 
-This module owns :func:`explain` and its rows. It asks the same decision
-function the forward uses (``_dispatch.decide``), with the policy, execution
-state and autograd state of the caller, so what it prints is what a call made
-at the same place would do.
+This module owns :func:`explain` and its rows, and :func:`will_use_kernel`,
+the path query for modeling code. Both ask what the forward asks (the same
+decision function, ``_dispatch.decide``, with the policy, execution state and
+autograd state of the caller; under TorchDynamo the same guarded reads), so
+what they say is what a call made at the same place would do.
 """
 
 from __future__ import annotations
@@ -12,8 +13,12 @@ import dataclasses
 import types
 from typing import TYPE_CHECKING
 
-from ._active import current_policy
-from ._binding import binding_of, kernel_modules
+import torch
+from torch.compiler import is_dynamo_compiling as _is_dynamo
+
+from ._active import DEFAULTS, PLAIN, current_policy
+from ._binding import BINDING, binding_of, kernel_modules
+from ._dispatch import Binding
 from ._state import ExecutionState, execution_state
 
 if TYPE_CHECKING:
@@ -25,7 +30,45 @@ if TYPE_CHECKING:
     from ._dispatch import Path
     from ._policy import Mode
 
-__all__ = ["Explanation", "LayerRow", "explain"]
+__all__ = ["Explanation", "LayerRow", "explain", "will_use_kernel"]
+
+
+def will_use_kernel(module: nn.Module) -> bool:
+    """Whether ``module``'s next call, made here, runs its kernel (False: its original forward, or an error).
+
+    For the rare parent whose code must differ with the path its child takes
+    (a kernel that wants another layout than the original forward): ask
+    first, then call. It answers in eager code and under every tracer: under
+    ``torch.compile`` (``fullgraph=True`` included) it breaks no graph and
+    reads only what the child's compiled forward reads, so the parent's
+    branch is guarded on the policy and a policy switch recompiles to the
+    other branch; under ``torch.export`` (strict and not), ``torch.jit.trace``
+    and FX it answers for the traced call.
+
+    >>> import torch, kernelpolicy
+    >>> @kernelpolicy.use_kernel_forward_from_hub("Double")
+    ... class Double(torch.nn.Module):
+    ...     def forward(self, x):
+    ...         return 2 * x
+    >>> kernelpolicy.will_use_kernel(Double())  # no kernel bound
+    False
+    """
+    binding = getattr(module, BINDING, None)
+    if not isinstance(binding, Binding):
+        raise TypeError(
+            f"will_use_kernel needs a policy-aware layer (marked with use_kernel_forward_from_hub and bound by "
+            f"kernelize or attach), got {type(module).__module__}.{type(module).__qualname__}"
+        )
+    active = DEFAULTS.active._current
+    if _is_dynamo():  # as the compiled forward: the kernel is on, traceable, and has what autograd needs
+        return (
+            binding.kernel is not None
+            and binding.can_torch_compile
+            and bool(getattr(active.kernel_on, binding.layer_name))
+            and (binding.has_backward or not (module.training and torch.is_grad_enabled()))
+        )
+    entry = getattr(active.modes, binding.layer_name)
+    return binding.decide(PLAIN.get(entry, entry), execution_state())[0] == "kernel"
 
 
 @dataclasses.dataclass(frozen=True)
