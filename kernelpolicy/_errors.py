@@ -9,11 +9,13 @@
   run for this call.
 - :class:`KernelMismatchError` -- ``verify`` found the kernel's output differs
   from the original forward's.
+- :class:`RankMismatchError` -- ``check_ranks`` found ranks of a process group
+  under different policies or on different paths.
 """
 
 from __future__ import annotations
 
-__all__ = ["KernelMismatchError", "KernelUnavailableError", "PolicyError", "ScopeError"]
+__all__ = ["KernelMismatchError", "KernelUnavailableError", "PolicyError", "RankMismatchError", "ScopeError"]
 
 
 class PolicyError(ValueError):
@@ -22,6 +24,10 @@ class PolicyError(ValueError):
 
 class ScopeError(RuntimeError):
     """A policy scope was exited out of order or in another context."""
+
+
+class RankMismatchError(RuntimeError):
+    """The ranks of a process group disagree on the policy or on a layer's path (raised on every rank)."""
 
 
 class KernelUnavailableError(RuntimeError):

@@ -8,3 +8,38 @@ import kernelpolicy as kp
 def policy_text() -> str:
     """The policy in effect where this runs."""
     return str(kp.current_policy())
+
+
+def check_ranks_worker(rank: int, world: int, port: int, out_dir: str, case: str, repo: str) -> None:
+    """One rank of a gloo group on 127.0.0.1 (bounded timeout): ``check_ranks`` under ``case``; the outcome to a file."""
+    import datetime
+    from pathlib import Path
+
+    import kernels
+    import torch.distributed as dist
+
+    from kernelpolicy._demo import DemoModel
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    try:
+        model = DemoModel(16).eval()
+        layer = kernels.LocalLayerRepository(repo_path=Path(repo), layer_name="RMSNorm")
+        missing = case == "kernel missing on rank 1" and rank == 1  # e.g. it failed to load on that node
+        with kernels.use_kernel_mapping({} if missing else {"RMSNorm": {"cpu": layer}}, inherit_mapping=False):
+            kp.kernelize(model, mode="inference", device="cpu")
+        modes = {"same": ("prefer,RMSNorm=disable",) * 2, "policies differ": ("require", "disable")}
+        policy = modes.get(case, ("prefer", "prefer"))[rank]
+        with kp.kernel_policy(kp.Policy.parse(policy)):
+            try:
+                outcome = f"ok {kp.check_ranks(model)}"
+            except kp.RankMismatchError as error:
+                outcome = f"mismatch {error}"
+        Path(out_dir, f"rank{rank}.txt").write_text(outcome)
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,68 @@
+"""``kernelpolicy.check_ranks`` on real gloo process groups: 2 ranks on 127.0.0.1, spawned, bounded timeouts."""
+
+from __future__ import annotations
+
+import socket
+import time
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from _workers import check_ranks_worker
+
+import kernelpolicy as kp
+from kernelpolicy.testing import rms_norm_kernel_source, write_kernel_repo
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _run(tmp_path: Path, case: str) -> list[str]:
+    repo = write_kernel_repo(tmp_path / "repo", rms_norm_kernel_source(can_torch_compile=True, offset=1.0))
+    context = mp.start_processes(  # type: ignore[no-untyped-call]
+        check_ranks_worker,
+        args=(2, _free_port(), str(tmp_path), case, str(repo)),
+        nprocs=2,
+        join=False,
+        start_method="spawn",
+    )
+    deadline = time.monotonic() + 180
+    try:
+        while not context.join(timeout=5):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"ranks of case {case!r} did not finish in 180 s")
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+    return [(tmp_path / f"rank{rank}.txt").read_text() for rank in range(2)]
+
+
+def test_same_policy_and_paths_pass_on_every_rank(tmp_path: Path) -> None:
+    assert _run(tmp_path, "same") == ["ok prefer,RMSNorm=disable"] * 2
+
+
+def test_different_policies_raise_on_every_rank_naming_them(tmp_path: Path) -> None:
+    outcomes = _run(tmp_path, "policies differ")
+    for rank, outcome in enumerate(outcomes):
+        assert outcome.startswith(f"mismatch kernel policy check across 2 ranks failed on rank {rank}: ")
+        assert "policies differ: rank 0: 'require', rank 1: 'disable'" in outcome
+        assert "layer 'norm': rank 0: kernel (kernel usable), rank 1: original (disabled by policy)" in outcome
+
+
+def test_a_kernel_missing_on_one_rank_shows_before_the_first_step(tmp_path: Path) -> None:
+    outcomes = _run(tmp_path, "kernel missing on rank 1")
+    for outcome in outcomes:
+        assert "policies differ" not in outcome
+        assert "layer 'norm': rank 0: kernel (kernel usable), rank 1: original (no kernel bound)" in outcome
+
+
+def test_without_a_process_group_it_says_what_is_missing() -> None:
+    with pytest.raises(RuntimeError, match=r"check_ranks needs an initialised torch.distributed process group"):
+        kp.check_ranks()
