@@ -32,6 +32,13 @@ verify  --            --       as prefer; when the kernel runs in eager
                                outputs are compared (see ``_verify``)
 ======= ============= ======== ===================================
 
+One failure is known only when the kernel is called: a custom-op kernel given
+DTensor inputs or parameters (tensor or sequence parallelism) for which its op
+has no sharding strategy. DTensor raises that ``NotImplementedError`` before
+the op computes anything, so in eager code ``prefer`` then runs the original
+(logged once) and ``require`` raises :class:`KernelUnavailableError` from it
+(:meth:`Binding.unsupported`); any other error of a kernel propagates.
+
 A traced program cannot raise, so under ``torch.compile`` a ``require``
 failure first breaks the graph (``torch._dynamo.graph_break`` with the error
 message): with ``fullgraph=True`` compilation fails with
@@ -48,6 +55,7 @@ import inspect
 import keyword
 import linecache
 import logging
+import sys
 import types
 from typing import TYPE_CHECKING, Any, Final, Literal, final
 
@@ -186,9 +194,23 @@ class Binding:
         if state is None:
             state = _state.execution_state()
         path, reason = self.decide(mode, state)
-        if recording and not _is_dynamo():
-            for recorder in RECORDERS.get():
+        recorders = RECORDERS.get() if recording and not _is_dynamo() else ()
+        if path == "kernel" and reason != VERIFIED and state == "eager":
+            assert self.kernel is not None
+            try:
+                out = self.kernel(self.module, *args, **kwargs)
+            except NotImplementedError as error:
+                if _no_sharding_strategy(error, (args, kwargs, self.module)):
+                    for recorder in recorders:
+                        recorder.add(
+                            self.path, self.layer_name, "error" if mode == "require" else "original", NO_SHARDING
+                        )
+                return self.unsupported(error, mode, args, kwargs)
+            for recorder in recorders:
                 recorder.add(self.path, self.layer_name, path, reason)
+            return out
+        for recorder in recorders:
+            recorder.add(self.path, self.layer_name, path, reason)
         if path == "kernel":
             if reason == VERIFIED:
                 return self.verify(args, kwargs)
@@ -205,6 +227,22 @@ class Binding:
             torch._dynamo.graph_break(msg=unavailable_message(self.path, self.layer_name, self.module_class, reason))
             _raise_unavailable(self, reason)
         raise self.error(reason)
+
+    def unsupported(self, error: NotImplementedError, mode: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The kernel raised ``error`` before running: the original under ``prefer``, an error under ``require``.
+
+        Only for what is known to fail before the kernel computes anything: a
+        custom-op kernel given DTensor inputs or parameters for which its op has
+        no sharding strategy (tensor or sequence parallelism). Anything else is
+        the kernel's own error and propagates unchanged.
+        """
+        if not _no_sharding_strategy(error, (args, kwargs, self.module)):
+            raise error
+        reason = f"{NO_SHARDING}: {error}"
+        if PLAIN.get(mode, mode) == "require":
+            raise self.error(reason) from error
+        self._log_fallback(reason)
+        return self.original(self.module, *args, **kwargs)
 
     def verify(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Run the original (on cloned inputs) and the kernel; compare; return the kernel's output."""
@@ -259,6 +297,22 @@ class Binding:
                 self.path,
                 reason,
             )
+
+
+NO_SHARDING: Final = "kernel cannot run on DTensor inputs (its op has no sharding strategy)"
+
+
+def _no_sharding_strategy(error: NotImplementedError, where: tuple[Any, ...]) -> bool:
+    """Whether ``error`` is DTensor's "no sharding strategy" for a call that has DTensor arguments or parameters."""
+    if "does not have a sharding strategy registered" not in str(error):
+        return False
+    tensor_module = sys.modules.get("torch.distributed.tensor")  # no DTensor exists unless it is imported
+    dtensor = getattr(tensor_module, "DTensor", None)
+    if dtensor is None:
+        return False
+    args, kwargs, module = where
+    parameters = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+    return any(isinstance(t, dtensor) for t in [*_tensors(args), *_tensors(kwargs), *parameters])
 
 
 def _raise_unavailable(binding: Binding, reason: str) -> None:
@@ -320,7 +374,10 @@ _BODIES: dict[str, str] = {
             return original(self, {call})
         mode = {lookup}
         if mode == "prefer" or mode == "require":
-            return kernel(self, {call})
+            try:
+                return kernel(self, {call})
+            except NotImplementedError as error:
+                return unsupported(error, mode, {pack})
         if mode == "disable":
             return original(self, {call})
         return slow(mode, {pack})""",
@@ -338,10 +395,13 @@ _BODIES: dict[str, str] = {
         if (mode == "prefer" or mode == "require") and not ({tracing}) and (
             has_backward or not self.training or not torch.is_grad_enabled()
         ):
-            return kernel(self, {call})
+            try:
+                return kernel(self, {call})
+            except NotImplementedError as error:
+                return unsupported(error, mode, {pack})
         return slow(mode, {pack})""",
 }
-_CELLS = "original, kernel, slow, has_backward, traceable"
+_CELLS = "original, kernel, slow, unsupported, has_backward, traceable"
 _FACTORIES: dict[tuple[str, str, str, str, str], Callable[..., Callable[..., Any]]] = {}
 
 
@@ -423,6 +483,7 @@ def make_forward(binding: Binding) -> Callable[..., Any]:
         binding.original,
         binding.kernel,
         binding.slow,
+        binding.unsupported,
         binding.has_backward,
         binding.can_torch_compile,
     )
