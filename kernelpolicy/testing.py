@@ -35,7 +35,14 @@ if TYPE_CHECKING:
 
     from torch import nn
 
-__all__ = ["VARIANT", "kernel_calls", "rms_norm_kernel_source", "tiny_llama", "write_kernel_repo"]
+__all__ = [
+    "VARIANT",
+    "custom_op_rms_norm_kernel_source",
+    "kernel_calls",
+    "rms_norm_kernel_source",
+    "tiny_llama",
+    "write_kernel_repo",
+]
 
 
 #: The build variant written: pure-Python kernels that load on every torch build.
@@ -104,6 +111,38 @@ def rms_norm_kernel_source(
                 if {offset!r} != 0.0:
                     out = out + {offset!r}
                 return out
+    """
+
+
+def custom_op_rms_norm_kernel_source(op: str, *, offset: float = 100.0) -> str:
+    """``layers.py`` for an RMSNorm kernel built as hub kernels are: a ``torch.library.custom_op``.
+
+    The op ``op`` (``"namespace::name"``, defined when kernels loads the
+    repository; once per process) has a fake implementation and computes
+    Llama's RMSNorm plus ``offset``; the layer declares ``can_torch_compile``.
+    """
+    namespace, _, name = op.partition("::")
+    return f"""
+        import torch
+        from torch import nn
+
+
+        @torch.library.custom_op({op!r}, mutates_args=())
+        def {name}(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+            variance = x.float().pow(2).mean(-1, keepdim=True)
+            return weight * (x.float() * torch.rsqrt(variance + eps)).to(x.dtype) + {offset!r}
+
+
+        @{name}.register_fake
+        def _(x, weight, eps):
+            return torch.empty_like(x)
+
+
+        class RMSNorm(nn.Module):
+            can_torch_compile = True
+
+            def forward(self, hidden_states):
+                return torch.ops.{namespace}.{name}(hidden_states, self.weight, self.variance_epsilon)
     """
 
 

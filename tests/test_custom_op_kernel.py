@@ -15,33 +15,12 @@ from _helpers import graph_breaks
 
 import kernelpolicy as kp
 from kernelpolicy._demo import DemoModel
-from kernelpolicy.testing import write_kernel_repo
+from kernelpolicy.testing import custom_op_rms_norm_kernel_source, write_kernel_repo
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 OP = "kp_customop::rms_norm"
-LAYERS = f'''
-import torch
-from torch import nn
-
-
-@torch.library.custom_op("{OP}", mutates_args=())
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    variance = x.float().pow(2).mean(-1, keepdim=True)
-    return (weight * (x.float() * torch.rsqrt(variance + eps)).to(x.dtype)) + 100.0
-
-
-@rms_norm.register_fake
-def _(x, weight, eps):
-    return torch.empty_like(x)
-
-
-class RMSNorm(nn.Module):
-    can_torch_compile = True
-
-    def forward(self, hidden_states):
-        return torch.ops.kp_customop.rms_norm(hidden_states, self.weight, self.variance_epsilon)
-'''
+LAYERS = custom_op_rms_norm_kernel_source(OP)
 X = torch.randn(2, 16, generator=torch.Generator().manual_seed(0))
 
 

@@ -21,32 +21,11 @@ from torch import nn
 
 import kernelpolicy as kp
 from kernelpolicy._demo import RMSNorm
-from kernelpolicy.testing import write_kernel_repo
+from kernelpolicy.testing import custom_op_rms_norm_kernel_source, write_kernel_repo
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
 
-LAYERS = """
-import torch
-from torch import nn
-
-
-@torch.library.custom_op("kp_dtensor::rms_norm", mutates_args=())
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    variance = x.float().pow(2).mean(-1, keepdim=True)
-    return weight * (x.float() * torch.rsqrt(variance + eps)).to(x.dtype) + 100.0
-
-
-@rms_norm.register_fake
-def _(x, weight, eps):
-    return torch.empty_like(x)
-
-
-class RMSNorm(nn.Module):
-    can_torch_compile = True
-
-    def forward(self, hidden_states):
-        return torch.ops.kp_dtensor.rms_norm(hidden_states, self.weight, self.variance_epsilon)
-"""
+LAYERS = custom_op_rms_norm_kernel_source("kp_dtensor::rms_norm")
 
 
 @pytest.fixture(scope="module")
