@@ -24,7 +24,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from ._active import current_policy, known_layers
-from ._errors import KernelMismatchError, KernelUnavailableError, PolicyError, RankMismatchError, ScopeError
+from ._errors import KernelMismatchError, KernelUnavailableError, PolicyError, PolicyMismatchError, ScopeError
 from ._policy import ENV_VAR, MODES, Mode, Policy
 from ._scope import kernel_policy, kernels_disabled, propagate, set_default_policy
 
@@ -32,7 +32,6 @@ if TYPE_CHECKING:
     from ._accounting import CallCounts, record_calls
     from ._binding import attach, kernelize, replace_kernel_forward_from_hub, use_kernel_forward_from_hub
     from ._explain import Explanation, LayerRow, explain, will_use_kernel
-    from ._ranks import check_ranks
     from ._state import ExecutionState, execution_state
     from ._warmup import WarmupReport, warmup
 
@@ -54,7 +53,6 @@ _LAZY = {
     "Explanation": "._explain",
     "LayerRow": "._explain",
     "explain": "._explain",
-    "check_ranks": "._ranks",
     "will_use_kernel": "._explain",
     "WarmupReport": "._warmup",
     "warmup": "._warmup",
@@ -86,11 +84,10 @@ __all__ = [
     "Mode",
     "Policy",
     "PolicyError",
-    "RankMismatchError",
+    "PolicyMismatchError",
     "ScopeError",
     "WarmupReport",
     "attach",
-    "check_ranks",
     "current_policy",
     "execution_state",
     "explain",

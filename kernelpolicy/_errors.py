@@ -9,13 +9,13 @@
   run for this call.
 - :class:`KernelMismatchError` -- ``verify`` found the kernel's output differs
   from the original forward's.
-- :class:`RankMismatchError` -- ``check_ranks`` found ranks of a process group
+- :class:`PolicyMismatchError` -- ``distributed.check_consistent`` found ranks of a process group
   under different policies or on different paths.
 """
 
 from __future__ import annotations
 
-__all__ = ["KernelMismatchError", "KernelUnavailableError", "PolicyError", "RankMismatchError", "ScopeError"]
+__all__ = ["KernelMismatchError", "KernelUnavailableError", "PolicyError", "PolicyMismatchError", "ScopeError"]
 
 
 class PolicyError(ValueError):
@@ -26,7 +26,7 @@ class ScopeError(RuntimeError):
     """A policy scope was exited out of order or in another context."""
 
 
-class RankMismatchError(RuntimeError):
+class PolicyMismatchError(RuntimeError):
     """The ranks of a process group disagree on the policy or on a layer's path (raised on every rank)."""
 
 

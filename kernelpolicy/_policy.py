@@ -35,7 +35,6 @@ VERIFY_OPTIONS = ("atol", "rtol", "on_mismatch")
 ENV_VAR = "KERNELPOLICY"
 
 _VALID = ", ".join(repr(m) for m in MODES)
-_FORBIDDEN_IN_NAMES = frozenset(",= \t\r\n")
 
 
 class VerifyOptions(NamedTuple):
@@ -57,35 +56,48 @@ class _Key(NamedTuple):
     options: VerifyOptions
 
 
+#: How much of a text an error message quotes (a policy from an HTTP header can be any size).
+SHOWN_CHARS = 200
+
+
+def _shown(text: object) -> str:
+    """``repr(text)``, cut to :data:`SHOWN_CHARS` characters of a long string."""
+    if isinstance(text, str) and len(text) > SHOWN_CHARS:
+        return f"{text[:SHOWN_CHARS]!r}... ({len(text)} characters)"
+    return repr(text)
+
+
 def check_mode(value: object, what: str) -> Mode:
     """Return ``value`` as a canonical mode or raise :class:`PolicyError` naming it."""
     if isinstance(value, str):
         for mode in MODES:
             if value == mode:
                 return mode
-        raise PolicyError(f"unknown kernel policy mode {value!r} for {what}; valid modes are {_VALID}")
+        raise PolicyError(f"unknown kernel policy mode {_shown(value)} for {what}; valid modes are {_VALID}")
     if value is None:
         raise PolicyError(f"a mode is required for {what}, got None; valid modes are {_VALID}")
     raise PolicyError(
-        f"a mode must be a string, got {value!r} ({type(value).__name__}) for {what}; valid modes are {_VALID}"
+        f"a mode must be a string, got {_shown(value)} ({type(value).__name__}) for {what}; valid modes are {_VALID}"
     )
 
 
 def check_layer_name(name: object) -> str:
     """Return ``name`` if it is a usable kernel layer name, else raise :class:`PolicyError`."""
     if not isinstance(name, str):
-        raise PolicyError(f"a kernel layer name must be a string, got {name!r} ({type(name).__name__})")
+        raise PolicyError(f"a kernel layer name must be a string, got {_shown(name)} ({type(name).__name__})")
     if not name:
         raise PolicyError("a kernel layer name must not be empty")
     if name in VERIFY_OPTIONS:
-        raise PolicyError(f"{name!r} is an option of 'verify', not a kernel layer name")
+        raise PolicyError(f"{_shown(name)} is an option of 'verify', not a kernel layer name")
     if name.startswith("__"):
-        raise PolicyError(f"kernel layer name {name!r} starts with '__', which is reserved")
-    bad = sorted(set(name) & _FORBIDDEN_IN_NAMES)
+        raise PolicyError(f"kernel layer name {_shown(name)} starts with '__', which is reserved")
+    # What the text syntax cannot carry: separators, any whitespace (str.strip drops Unicode spaces
+    # too) and unprintable characters, so that every accepted name round-trips through str and parse.
+    bad = sorted({c for c in name if c in ",=" or c.isspace() or not c.isprintable()})
     if bad:
         raise PolicyError(
-            f"kernel layer name {name!r} contains {', '.join(repr(c) for c in bad)}; "
-            "names may not contain commas, '=' or whitespace"
+            f"kernel layer name {_shown(name)} contains {', '.join(repr(c) for c in bad)}; "
+            "names may not contain commas, '=', whitespace or unprintable characters"
         )
     return name
 
@@ -100,14 +112,14 @@ def check_verify_options(options: Mapping[str, object]) -> dict[str, object]:
                 try:
                     value = float(value)
                 except ValueError:
-                    raise PolicyError(f"{name} must be a number >= 0, got {options[name]!r}") from None
+                    raise PolicyError(f"{name} must be a number >= 0, got {_shown(options[name])}") from None
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-                raise PolicyError(f"{name} must be a number >= 0, got {options[name]!r}")
+                raise PolicyError(f"{name} must be a number >= 0, got {_shown(options[name])}")
             checked[name] = float(value)
     if "on_mismatch" in options:
         value = options["on_mismatch"]
         if value not in ("raise", "warn"):
-            raise PolicyError(f"on_mismatch must be 'raise' or 'warn', got {value!r}")
+            raise PolicyError(f"on_mismatch must be 'raise' or 'warn', got {_shown(value)}")
         checked["on_mismatch"] = value
     return checked
 
@@ -222,7 +234,8 @@ class Policy:
         ...
         kernelpolicy._errors.PolicyError: policy 'RMSNorm=fast': unknown kernel policy mode 'fast' for layer 'RMSNorm'; valid modes are 'prefer', 'disable', 'require', 'verify'
         """
-        where = f"{source}={text!r}" if source else f"policy {text!r}"
+        shown = _shown(text)
+        where = f"{source}={shown}" if source else f"policy {shown}"
         if not isinstance(text, str):
             raise PolicyError(f"{where}: a policy must be given as a string, got {type(text).__name__}")
         default: Mode | None = None
@@ -237,18 +250,18 @@ class Policy:
                 if "=" not in token:
                     if default is not None:
                         raise PolicyError(
-                            f"default mode given twice ({default!r} and {token!r}); give at most one bare mode"
+                            f"default mode given twice ({default!r} and {_shown(token)}); give at most one bare mode"
                         )
                     default = check_mode(token, "the default")
                     continue
                 name, _, mode = (part.strip() for part in token.partition("="))
                 if name in layers or name in options:
-                    raise PolicyError(f"{'option' if name in options else 'layer'} {name!r} named twice")
+                    raise PolicyError(f"{'option' if name in options else 'layer'} {_shown(name)} named twice")
                 if name in VERIFY_OPTIONS:
                     options.update(check_verify_options({name: mode}))
                     continue
                 check_layer_name(name)
-                layers[name] = check_mode(mode, f"layer {name!r}")
+                layers[name] = check_mode(mode, f"layer {_shown(name)}")
             except PolicyError as exc:
                 detail = str(exc) if _VALID in str(exc) else f"{exc}; valid modes are {_VALID}"
                 raise PolicyError(f"{where}: {detail}") from None
@@ -298,7 +311,7 @@ def _options(base: VerifyOptions, options: Mapping[str, object]) -> VerifyOption
 def _make(default: Mode, layers: Mapping[str, object], options: VerifyOptions = NO_OPTIONS) -> Policy:
     modes: dict[str, Mode] = {}
     for name, mode in sorted(layers.items()):
-        checked = check_mode(mode, f"layer {check_layer_name(name)!r}")
+        checked = check_mode(mode, f"layer {_shown(check_layer_name(name))}")
         if checked != default:
             modes[name] = checked
     policy = object.__new__(Policy)

@@ -10,14 +10,15 @@ def policy_text() -> str:
     return str(kp.current_policy())
 
 
-def check_ranks_worker(rank: int, world: int, port: int, out_dir: str, case: str, repo: str) -> None:
-    """One rank of a gloo group on 127.0.0.1 (bounded timeout): ``check_ranks`` under ``case``; the outcome to a file."""
+def distributed_worker(rank: int, world: int, port: int, out_dir: str, case: str, repo: str) -> None:
+    """One rank of a gloo group on 127.0.0.1 (bounded timeout): ``kernelpolicy.distributed`` under ``case``; the outcome to a file."""
     import datetime
     from pathlib import Path
 
     import kernels
     import torch.distributed as dist
 
+    import kernelpolicy.distributed
     from kernelpolicy._demo import DemoModel
 
     dist.init_process_group(
@@ -33,13 +34,21 @@ def check_ranks_worker(rank: int, world: int, port: int, out_dir: str, case: str
         missing = case == "kernel missing on rank 1" and rank == 1  # e.g. it failed to load on that node
         with kernels.use_kernel_mapping({} if missing else {"RMSNorm": {"cpu": layer}}, inherit_mapping=False):
             kp.kernelize(model, mode="inference", device="cpu")
-        modes = {"same": ("prefer,RMSNorm=disable",) * 2, "policies differ": ("require", "disable")}
+        modes = {
+            "same": ("prefer,RMSNorm=disable",) * 2,
+            "policies differ": ("require", "disable"),
+            "broadcast": ("require", "disable,RMSNorm=prefer"),
+        }
         policy = modes.get(case, ("prefer", "prefer"))[rank]
         with kp.kernel_policy(kp.Policy.parse(policy)):
-            try:
-                outcome = f"ok {kp.check_ranks(model)}"
-            except kp.RankMismatchError as error:
-                outcome = f"mismatch {error}"
+            if case == "broadcast":
+                with kernelpolicy.distributed.broadcast_policy(src=1):
+                    outcome = f"ok {kernelpolicy.distributed.check_consistent(model)}"
+            else:
+                try:
+                    outcome = f"ok {kernelpolicy.distributed.check_consistent(model)}"
+                except kp.PolicyMismatchError as error:
+                    outcome = f"mismatch {error}"
         Path(out_dir, f"rank{rank}.txt").write_text(outcome)
     finally:
         dist.destroy_process_group()

@@ -381,3 +381,29 @@ def test_bad_layer_names(name: str) -> None:
 def test_bad_layer_name_is_rejected_even_when_mode_equals_default() -> None:
     with pytest.raises(kp.PolicyError):
         kp.Policy("prefer", **{"a,b": "prefer"})
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.text(min_size=1, max_size=12), st.sampled_from(kp.MODES))
+def test_every_name_the_constructor_accepts_round_trips(name: str, mode: str) -> None:
+    try:
+        policy = kp.Policy("prefer" if mode != "prefer" else "disable", **{name: mode})
+    except kp.PolicyError:
+        return
+    assert kp.Policy.parse(str(policy)) == policy
+    assert dict(kp.Policy.parse(str(policy)).layers) == {name: mode}
+
+
+@pytest.mark.parametrize("name", ["RMSNorm\xa0", "\u2003RMSNorm", "RMS\u200bNorm", "RMS\x00Norm", "RMS\u2028Norm"])
+def test_unicode_spaces_and_unprintable_characters_are_rejected_by_name(name: str) -> None:
+    with pytest.raises(kp.PolicyError, match=r"names may not contain commas, '=', whitespace or unprintable") as info:
+        kp.Policy(**{name: "disable"})
+    assert repr(name) in str(info.value)
+
+
+def test_a_long_text_is_cut_in_error_messages() -> None:
+    with pytest.raises(kp.PolicyError) as info:
+        kp.Policy.parse("prefer," + "A" * 10_000 + "=fast", source="header X-Kernel-Policy")
+    message = str(info.value)
+    assert message.startswith("header X-Kernel-Policy='prefer,AAAA") and "... (10012 characters)" in message
+    assert len(message) < 10_000 // 10

@@ -194,3 +194,16 @@ def test_not_served_message_names_the_policy_and_the_allowed_ones() -> None:
     message = not_served_message(kp.Policy("require"), ALLOWED)
     assert message.startswith("policy 'require' is not served by this compiled server")
     assert message.endswith("allowed policies: " + ", ".join(repr(str(p)) for p in ALLOWED))
+
+
+def test_a_body_nested_too_deep_is_400_not_500(client: TestClient) -> None:
+    response = client.post("/generate", content=b"[" * 5000 + b"]" * 5000, headers={"content-type": "application/json"})
+    assert response.status_code == 400
+    assert response.json()["error"].startswith("bad request body: ")
+
+
+def test_a_huge_header_is_400_with_a_short_message(client: TestClient) -> None:
+    response = generate(client, "RMSNorm=fast" + "x" * 100_000)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert len(error) < 1000 and "... (100012 characters)" in error and VALID_MODES in error

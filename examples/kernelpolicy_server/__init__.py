@@ -176,7 +176,7 @@ async def generate(request: Request) -> JSONResponse:
         return _error(not_served_message(policy, state.allowed), 400)
     try:
         input_ids, max_new_tokens = _parse_body(await request.json())
-    except ValueError as exc:  # also json.JSONDecodeError and bad UTF-8
+    except (ValueError, RecursionError) as exc:  # also json.JSONDecodeError, bad UTF-8, JSON nested too deep
         return _error(f"bad request body: {exc}", 400)
 
     loop = asyncio.get_running_loop()

@@ -1,4 +1,4 @@
-"""``kernelpolicy.check_ranks`` on real gloo process groups: 2 ranks on 127.0.0.1, spawned, bounded timeouts."""
+"""``kernelpolicy.distributed`` on real gloo process groups: 2 ranks on 127.0.0.1, spawned, bounded timeouts."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from _workers import check_ranks_worker
+from _workers import distributed_worker
 
-import kernelpolicy as kp
+import kernelpolicy.distributed
 from kernelpolicy.testing import rms_norm_kernel_source, write_kernel_repo
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
@@ -26,7 +26,7 @@ def _free_port() -> int:
 def _run(tmp_path: Path, case: str) -> list[str]:
     repo = write_kernel_repo(tmp_path / "repo", rms_norm_kernel_source(can_torch_compile=True, offset=1.0))
     context = mp.start_processes(  # type: ignore[no-untyped-call]
-        check_ranks_worker,
+        distributed_worker,
         args=(2, _free_port(), str(tmp_path), case, str(repo)),
         nprocs=2,
         join=False,
@@ -64,5 +64,11 @@ def test_a_kernel_missing_on_one_rank_shows_before_the_first_step(tmp_path: Path
 
 
 def test_without_a_process_group_it_says_what_is_missing() -> None:
-    with pytest.raises(RuntimeError, match=r"check_ranks needs an initialised torch.distributed process group"):
-        kp.check_ranks()
+    for call in (kernelpolicy.distributed.check_consistent, kernelpolicy.distributed.broadcast_policy):
+        with pytest.raises(RuntimeError, match=rf"distributed\.{call.__name__} needs an initialised torch.distributed"):
+            call()
+
+
+def test_broadcast_policy_applies_the_source_ranks_policy_on_every_rank(tmp_path: Path) -> None:
+    # rank 0 under require, rank 1 under disable,RMSNorm=prefer; both adopt rank 1's, then agree
+    assert _run(tmp_path, "broadcast") == ["ok disable,RMSNorm=prefer"] * 2
