@@ -76,7 +76,7 @@ def test_instruction_counts_are_repeatable_and_complete(tmp_path: Path) -> None:
     """``python -m benchmarks.instructions`` on two variants, tiny counts (a few minutes under valgrind).
 
     Instruction counts are not timings: the same child, run twice, must count
-    exactly the same instructions, which is what the method rests on. Two
+    the same instructions (within 0.5 %), which is what the method rests on. Two
     *identical modules* need not (the A/A control row): their counts moved by
     up to 15 % between machines and checkouts (0.85 on a CUDA build, 1.05 on a
     CI clone of the CPU build, 1.000 on the development machine), so the test
@@ -110,6 +110,8 @@ def test_instruction_counts_are_repeatable_and_complete(tmp_path: Path) -> None:
     assert results[noop]["ratio"] == 1
     assert positive(results["rmsnorm (b) kernelpolicy prefer, can_torch_compile=True"]["ratio"])
     assert "| rmsnorm (b) kernelpolicy prefer, can_torch_compile=True |" in done.stdout
-    # The same child twice: identical counts (fixed hash seed, garbage collector off, same command line).
+    # The same child twice: the same count within 0.5 % (fixed hash seed, garbage collector off, same
+    # command line). Identical on a quiet machine; 2,098,314 and 2,099,114 (0.04 %) in one CI run while a
+    # second CI run shared the two cores. The A/A control across layouts moved by 5 to 15 %.
     first, second = (instructions.count(noop, 200, tmp_path) for _ in range(2))
-    assert first == second > 0
+    assert first > 0 and abs(first - second) / first < 0.005, (first, second)
