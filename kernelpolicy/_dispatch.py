@@ -200,17 +200,10 @@ class Binding:
             try:
                 out = self.kernel(self.module, *args, **kwargs)
             except NotImplementedError as error:
-                if _no_sharding_strategy(error, (args, kwargs, self.module)):
-                    for recorder in recorders:
-                        recorder.add(
-                            self.path, self.layer_name, "error" if mode == "require" else "original", NO_SHARDING
-                        )
-                return self.unsupported(error, mode, args, kwargs)
-            for recorder in recorders:
-                recorder.add(self.path, self.layer_name, path, reason)
+                return self.unsupported(error, mode, args, kwargs, recorders)
+            self._record(recorders, path, reason)
             return out
-        for recorder in recorders:
-            recorder.add(self.path, self.layer_name, path, reason)
+        self._record(recorders, path, reason)
         if path == "kernel":
             if reason == VERIFIED:
                 return self.verify(args, kwargs)
@@ -228,21 +221,35 @@ class Binding:
             _raise_unavailable(self, reason)
         raise self.error(reason)
 
-    def unsupported(self, error: NotImplementedError, mode: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def unsupported(
+        self,
+        error: NotImplementedError,
+        mode: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        recorders: tuple[Any, ...] = (),
+    ) -> Any:
         """The kernel raised ``error`` before running: the original under ``prefer``, an error under ``require``.
 
         Only for what is known to fail before the kernel computes anything: a
         custom-op kernel given DTensor inputs or parameters for which its op has
         no sharding strategy (tensor or sequence parallelism). Anything else is
-        the kernel's own error and propagates unchanged.
+        the kernel's own error and propagates unchanged. ``mode`` is a plain
+        mode (the fast exits and :meth:`slow` strip recording); ``recorders``
+        count the path taken.
         """
         if not _no_sharding_strategy(error, (args, kwargs, self.module)):
             raise error
+        self._record(recorders, "error" if mode == "require" else "original", NO_SHARDING)
         reason = f"{NO_SHARDING}: {error}"
-        if PLAIN.get(mode, mode) == "require":
+        if mode == "require":
             raise self.error(reason) from error
         self._log_fallback(reason)
         return self.original(self.module, *args, **kwargs)
+
+    def _record(self, recorders: tuple[Any, ...], path: Path, reason: str) -> None:
+        for recorder in recorders:
+            recorder.add(self.path, self.layer_name, path, reason)
 
     def verify(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Run the original (on cloned inputs) and the kernel; compare; return the kernel's output."""
