@@ -68,6 +68,7 @@ from . import _state
 from ._active import DEFAULTS, PLAIN, RECORDERS, register_layer_name
 from ._compat import DYNAMO_DISABLE_MARK
 from ._errors import KernelMismatchError, KernelUnavailableError, unavailable_message
+from .distributed import _LOCAL_SHARDS, call_on_local_shards
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -137,6 +138,7 @@ class Binding:
 
     __slots__ = (
         "can_torch_compile",
+        "dtensor_failure",
         "has_backward",
         "kernel",
         "kernel_class",
@@ -170,6 +172,8 @@ class Binding:
         self.repository = repository
         self.can_torch_compile = kernel is not None and getattr(kernel_class, "can_torch_compile", False) is True
         self.has_backward = kernel is None or getattr(kernel_class, "has_backward", True) is not False
+        #: The last "no sharding strategy" error of the kernel on DTensor arguments, for ``explain``.
+        self.dtensor_failure: str | None = None
 
     def needs_backward(self) -> bool:
         return self.module.training and torch.is_grad_enabled()
@@ -195,18 +199,19 @@ class Binding:
             state = _state.execution_state()
         path, reason = self.decide(mode, state)
         recorders = RECORDERS.get() if recording and not _is_dynamo() else ()
-        if path == "kernel" and reason != VERIFIED and state == "eager":
+        if path == "kernel" and state == "eager":
             assert self.kernel is not None
             try:
-                out = self.kernel(self.module, *args, **kwargs)
+                out = self.verify(args, kwargs) if reason == VERIFIED else self.kernel(self.module, *args, **kwargs)
             except NotImplementedError as error:
                 return self.unsupported(error, mode, args, kwargs, recorders)
+            except KernelMismatchError:
+                self._record(recorders, path, reason)  # the kernel ran; its output differed
+                raise
             self._record(recorders, path, reason)
             return out
         self._record(recorders, path, reason)
         if path == "kernel":
-            if reason == VERIFIED:
-                return self.verify(args, kwargs)
             return self.kernel(self.module, *args, **kwargs)  # type: ignore[misc]
         if path == "original":
             if self.kernel is not None and reason != DISABLED and not _is_dynamo():
@@ -233,13 +238,23 @@ class Binding:
 
         Only for what is known to fail before the kernel computes anything: a
         custom-op kernel given DTensor inputs or parameters for which its op has
-        no sharding strategy (tensor or sequence parallelism). Anything else is
+        no sharding strategy (tensor or sequence parallelism). A kernel layer
+        declared with :func:`kernelpolicy.distributed.run_on_local_shards` runs
+        on the local shards instead, under every mode that asked for the kernel
+        (``verify`` does not compare those calls: logged once). Anything else is
         the kernel's own error and propagates unchanged. ``mode`` is a plain
         mode (the fast exits and :meth:`slow` strip recording); ``recorders``
         count the path taken.
         """
         if not _no_sharding_strategy(error, (args, kwargs, self.module)):
             raise error
+        self.dtensor_failure = str(error)
+        if self.layer_name in _LOCAL_SHARDS:
+            assert self.kernel is not None
+            self._record(recorders, "kernel", ON_LOCAL_SHARDS)
+            if mode == "verify":
+                self._log_once("not verified", logging.WARNING, "verify does not compare kernels run on local shards")
+            return call_on_local_shards(self.kernel, self.module, args, kwargs)
         self._record(recorders, "error" if mode == "require" else "original", NO_SHARDING)
         reason = f"{NO_SHARDING}: {error}"
         if mode == "require":
@@ -294,32 +309,35 @@ class Binding:
         )
 
     def _log_fallback(self, reason: str) -> None:
-        key = (self.layer_name, reason)
-        if key not in _logged:
-            _logged.add(key)
-            logger.info(
-                "kernel layer %r (%s at %r) falls back to its original forward: %s",
-                self.layer_name,
-                self.module_class,
-                self.path,
-                reason,
-            )
+        self._log_once(reason, logging.INFO, f"falls back to its original forward: {reason}")
+
+    def _log_once(self, key: str, level: int, what: str) -> None:
+        if (self.layer_name, key) not in _logged:
+            _logged.add((self.layer_name, key))
+            logger.log(level, "kernel layer %r (%s at %r) %s", self.layer_name, self.module_class, self.path, what)
 
 
 NO_SHARDING: Final = "kernel cannot run on DTensor inputs (its op has no sharding strategy)"
+ON_LOCAL_SHARDS: Final = "kernel run on local shards (declared with kernelpolicy.distributed.run_on_local_shards)"
 
 
 def _no_sharding_strategy(error: NotImplementedError, where: tuple[Any, ...]) -> bool:
     """Whether ``error`` is DTensor's "no sharding strategy" for a call that has DTensor arguments or parameters."""
     if "does not have a sharding strategy registered" not in str(error):
         return False
+    args, kwargs, module = where
+    return has_dtensor(module) or any(_is_dtensor(t) for t in [*_tensors(args), *_tensors(kwargs)])
+
+
+def has_dtensor(module: nn.Module) -> bool:
+    """Whether ``module`` has DTensor parameters or buffers of its own."""
+    return any(_is_dtensor(t) for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)])
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
     tensor_module = sys.modules.get("torch.distributed.tensor")  # no DTensor exists unless it is imported
     dtensor = getattr(tensor_module, "DTensor", None)
-    if dtensor is None:
-        return False
-    args, kwargs, module = where
-    parameters = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
-    return any(isinstance(t, dtensor) for t in [*_tensors(args), *_tensors(kwargs), *parameters])
+    return dtensor is not None and isinstance(tensor, dtensor)
 
 
 def _raise_unavailable(binding: Binding, reason: str) -> None:

@@ -18,8 +18,9 @@ from torch.compiler import is_dynamo_compiling as _is_dynamo
 
 from ._active import DEFAULTS, PLAIN, current_policy
 from ._binding import BINDING, binding_of, kernel_modules
-from ._dispatch import Binding
+from ._dispatch import NO_SHARDING, Binding, has_dtensor
 from ._state import ExecutionState, execution_state
+from .distributed import local_shard_layers
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -177,7 +178,7 @@ def explain(model: nn.Module, *, calls: CallCounts | None = None) -> Explanation
         mode = policy.mode_for(layer_name)
         binding = binding_of(module)
         if binding is not None:
-            path, reason = binding.decide(mode, state)
+            path, reason = _on_dtensor(binding, mode, *binding.decide(mode, state))
             kernel = binding.kernel
             kernel_name = binding.repository or _kernel_name(binding.kernel_class, kernel)
             rows.append(
@@ -216,6 +217,19 @@ def explain(model: nn.Module, *, calls: CallCounts | None = None) -> Explanation
     present = {row.layer_name for row in rows}
     unmatched = tuple(f"{name}={mode}" for name, mode in sorted(policy.layers.items()) if name not in present)
     return Explanation(rows=tuple(rows), policy=str(policy), state=state, unmatched=unmatched)
+
+
+def _on_dtensor(binding: Binding, mode: Mode, path: Path, reason: str) -> tuple[Path, str]:
+    """The row of a kernel layer that has met DTensor arguments or parameters (see ``Binding.unsupported``)."""
+    if path != "kernel" or (binding.dtensor_failure is None and not has_dtensor(binding.module)):
+        return path, reason
+    if binding.layer_name in local_shard_layers():
+        return path, f"{reason}; on DTensor without a sharding strategy it runs on local shards"
+    if binding.dtensor_failure is None:
+        return path, f"{reason} if its op has a sharding strategy for these DTensor parameters"
+    if has_dtensor(binding.module):
+        return ("error" if mode == "require" else "original"), f"{NO_SHARDING}: {binding.dtensor_failure}"
+    return path, f"{reason} on plain tensors; on DTensor inputs: {NO_SHARDING}"
 
 
 def _kernel_name(kernel_class: type | None, kernel: object) -> str:

@@ -1,7 +1,9 @@
 """kernelpolicy for torch.distributed jobs: every rank of a process group under one policy, on the same paths.
 
-This module owns :func:`check_consistent` and :func:`broadcast_policy`; it
-imports ``torch.distributed`` when one of them is called. Scopes are per
+This module owns :func:`check_consistent` and :func:`broadcast_policy`, and
+:func:`run_on_local_shards`, the declaration that lets a kernel run on the
+local shards of DTensor arguments; it imports ``torch.distributed`` when one
+of them needs it. Scopes are per
 process, so the ranks of a job can disagree: one rank under ``require``
 raising while the others enter a collective and wait for it until the process
 group's timeout (30 minutes by default), or ranks silently running different
@@ -21,13 +23,15 @@ from typing import TYPE_CHECKING, Any
 
 from ._active import current_policy
 from ._errors import PolicyMismatchError
-from ._policy import Policy
+from ._policy import Policy, check_layer_name
 from ._scope import kernel_policy
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from torch import nn
 
-__all__ = ["broadcast_policy", "check_consistent"]
+__all__ = ["broadcast_policy", "check_consistent", "local_shard_layers", "run_on_local_shards"]
 
 
 def _dist(what: str) -> Any:
@@ -95,3 +99,97 @@ def broadcast_policy(src: int = 0, *, group: Any = None) -> kernel_policy:
     box: list[Any] = [str(current_policy())]
     dist.broadcast_object_list(box, src=src, group=group)
     return kernel_policy(Policy.parse(box[0], source=f"rank {src}'s policy"))
+
+
+_LOCAL_SHARDS: set[str] = set()
+
+
+def run_on_local_shards(*layer_names: str, enabled: bool = True) -> None:
+    """Declare that the kernels of ``layer_names`` compute every shard on its own (process-wide).
+
+    A kernel built as a custom op has no DTensor sharding strategy, so with
+    DTensor arguments or parameters (tensor or sequence parallelism) it cannot
+    run: ``prefer`` takes the original forward, ``require`` raises
+    :class:`~kernelpolicy.KernelUnavailableError`. Declared here, such a call
+    runs the kernel instead on each rank's local shards, as
+    ``torch.distributed.tensor.experimental.local_map`` would: every DTensor
+    argument and parameter is passed as its ``to_local()`` tensor, and every
+    tensor output becomes a DTensor with the mesh and placements of the first
+    DTensor argument. Declare only kernels whose result on a shard is the
+    shard of the result: a norm or activation over the last dimension under
+    ``SequenceParallel`` (activations ``Shard(1)``, weights ``Replicate()``),
+    not one that reduces over the sharded dimension. The declaration is kept
+    on kernelpolicy's side, by kernel layer name, because ``kernels`` rejects
+    extra attributes on kernel classes. ``enabled=False`` withdraws it.
+
+    >>> import kernelpolicy.distributed
+    >>> kernelpolicy.distributed.run_on_local_shards("RMSNorm")
+    >>> sorted(kernelpolicy.distributed.local_shard_layers())
+    ['RMSNorm']
+    >>> kernelpolicy.distributed.run_on_local_shards("RMSNorm", enabled=False)
+    """
+    names = [check_layer_name(name) for name in layer_names]
+    if enabled:
+        _LOCAL_SHARDS.update(names)
+    else:
+        _LOCAL_SHARDS.difference_update(names)
+
+
+def local_shard_layers() -> frozenset[str]:
+    """The layer names declared with :func:`run_on_local_shards`."""
+    return frozenset(_LOCAL_SHARDS)
+
+
+def call_on_local_shards(
+    kernel: Callable[..., Any], module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """``kernel(module, *args, **kwargs)`` on local shards (see :func:`run_on_local_shards`); the module is not changed.
+
+    Written out rather than through ``local_map``, whose output placements must
+    be given before the call, and which cannot localise parameters read from
+    the module.
+    """
+    from torch.distributed.tensor import DTensor
+
+    first = next(t for t in _flat((args, kwargs)) if isinstance(t, DTensor))
+    mesh, placements = first.device_mesh, first.placements
+
+    def local(value: Any) -> Any:
+        return _map(value, lambda t: t.to_local() if isinstance(t, DTensor) else t)
+
+    out = kernel(_LocalView(module, DTensor), *local(args), **local(kwargs))
+    return _map(out, lambda t: DTensor.from_local(t, mesh, placements, run_check=False))
+
+
+class _LocalView:
+    """The module as its kernel sees it on local shards: DTensor attributes read as their local tensors."""
+
+    __slots__ = ("_dtensor", "_module")
+
+    def __init__(self, module: nn.Module, dtensor: type) -> None:
+        object.__setattr__(self, "_module", module)
+        object.__setattr__(self, "_dtensor", dtensor)
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._module, name)
+        return value.to_local() if isinstance(value, self._dtensor) else value
+
+
+def _map(value: Any, fn: Callable[[Any], Any]) -> Any:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a named tuple
+        return type(value)(*(_map(item, fn) for item in value))
+    if isinstance(value, (tuple, list)):
+        return type(value)(_map(item, fn) for item in value)
+    if isinstance(value, dict):
+        return {key: _map(item, fn) for key, item in value.items()}
+    return value
+
+
+def _flat(value: Any) -> list[Any]:
+    found: list[Any] = []
+    _map(value, lambda t: found.append(t))
+    return found

@@ -114,14 +114,34 @@ def rms_norm_kernel_source(
     """
 
 
-def custom_op_rms_norm_kernel_source(op: str, *, offset: float = 100.0) -> str:
+def custom_op_rms_norm_kernel_source(op: str, *, offset: float = 100.0, autograd: bool = False) -> str:
     """``layers.py`` for an RMSNorm kernel built as hub kernels are: a ``torch.library.custom_op``.
 
     The op ``op`` (``"namespace::name"``, defined when kernels loads the
     repository; once per process) has a fake implementation and computes
     Llama's RMSNorm plus ``offset``; the layer declares ``can_torch_compile``.
+    With ``autograd``, the op has a backward (registered with
+    ``register_autograd``, the gradient of the same math).
     """
     namespace, _, name = op.partition("::")
+    backward = f"""
+
+        def _setup(ctx, inputs, output):
+            ctx.save_for_backward(inputs[0], inputs[1])
+            ctx.eps = inputs[2]
+
+
+        def _backward(ctx, grad):
+            x, weight = (t.detach().requires_grad_() for t in ctx.saved_tensors)
+            with torch.enable_grad():
+                variance = x.float().pow(2).mean(-1, keepdim=True)
+                out = weight * (x.float() * torch.rsqrt(variance + ctx.eps)).to(x.dtype)
+                grad_x, grad_weight = torch.autograd.grad(out, (x, weight), grad)
+            return grad_x, grad_weight, None
+
+
+        {name}.register_autograd(_backward, setup_context=_setup)
+    """
     return f"""
         import torch
         from torch import nn
@@ -136,7 +156,7 @@ def custom_op_rms_norm_kernel_source(op: str, *, offset: float = 100.0) -> str:
         @{name}.register_fake
         def _(x, weight, eps):
             return torch.empty_like(x)
-
+        {backward if autograd else ""}
 
         class RMSNorm(nn.Module):
             can_torch_compile = True

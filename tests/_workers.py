@@ -10,16 +10,11 @@ def policy_text() -> str:
     return str(kp.current_policy())
 
 
-def distributed_worker(rank: int, world: int, port: int, out_dir: str, case: str, repo: str) -> None:
-    """One rank of a gloo group on 127.0.0.1 (bounded timeout): ``kernelpolicy.distributed`` under ``case``; the outcome to a file."""
+def init_group(rank: int, world: int, port: int) -> None:
+    """Join a gloo process group on 127.0.0.1 whose collectives time out after 60 s."""
     import datetime
-    from pathlib import Path
 
-    import kernels
     import torch.distributed as dist
-
-    import kernelpolicy.distributed
-    from kernelpolicy._demo import DemoModel
 
     dist.init_process_group(
         "gloo",
@@ -28,6 +23,19 @@ def distributed_worker(rank: int, world: int, port: int, out_dir: str, case: str
         world_size=world,
         timeout=datetime.timedelta(seconds=60),
     )
+
+
+def distributed_worker(rank: int, world: int, port: int, out_dir: str, case: str, repo: str) -> None:
+    """One rank of a gloo group on 127.0.0.1 (bounded timeout): ``kernelpolicy.distributed`` under ``case``; the outcome to a file."""
+    from pathlib import Path
+
+    import kernels
+    import torch.distributed as dist
+
+    import kernelpolicy.distributed
+    from kernelpolicy._demo import DemoModel
+
+    init_group(rank, world, port)
     try:
         model = DemoModel(16).eval()
         layer = kernels.LocalLayerRepository(repo_path=Path(repo), layer_name="RMSNorm")
@@ -51,4 +59,64 @@ def distributed_worker(rank: int, world: int, port: int, out_dir: str, case: str
                     outcome = f"mismatch {error}"
         Path(out_dir, f"rank{rank}.txt").write_text(outcome)
     finally:
+        dist.destroy_process_group()
+
+
+def sequence_parallel_worker(rank: int, world: int, port: int, out_dir: str, repo: str) -> None:
+    """One rank: a kernelized RMSNorm under ``SequenceParallel`` on a CPU mesh, every policy; results to JSON.
+
+    Each rank holds its slice of the sequence (``Shard(1)``); the full input is
+    the same on every rank (seeded), so each rank computes the reference.
+    """
+    import json
+    from pathlib import Path
+
+    import kernels
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
+
+    import kernelpolicy.distributed
+    from kernelpolicy._demo import RMSNorm
+
+    init_group(rank, world, port)
+    results: dict[str, object] = {}
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        model = nn.Sequential(RMSNorm(8)).eval()
+        layer = kernels.LocalLayerRepository(repo_path=Path(repo), layer_name="RMSNorm")
+        with kernels.use_kernel_mapping({"RMSNorm": {"cpu": layer}}, inherit_mapping=False):
+            kp.kernelize(model, mode="inference", device="cpu")
+        parallelize_module(model, mesh, {"0": SequenceParallel()})
+        full = torch.randn(2, 4 * world, 8, generator=torch.Generator().manual_seed(0))
+        reference = full * torch.rsqrt(full.pow(2).mean(-1, keepdim=True) + 1e-6)
+        local = full.chunk(world, dim=1)[rank]  # this rank's part of the sequence
+
+        def run(case: str) -> None:
+            with kp.record_calls() as calls:
+                try:
+                    out = model(local).full_tensor()
+                except kp.KernelUnavailableError as error:
+                    results[case] = {"error": str(error), "calls": calls.by_layer()}
+                    return
+            results[case] = {
+                "offset": round((out - reference).mean().item(), 4),  # 0: the original; 100: the kernel
+                "calls": calls.by_layer(),
+                "explain": [row.path + ": " + row.reason for row in kp.explain(model)],
+            }
+
+        run("prefer")
+        with kp.kernel_policy("require"):
+            run("require")
+        with kp.kernels_disabled():
+            run("disable")
+        kernelpolicy.distributed.run_on_local_shards("RMSNorm")
+        run("prefer, local shards")
+        with kp.kernel_policy("require"):
+            run("require, local shards")
+        dist.barrier()
+    finally:
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
         dist.destroy_process_group()

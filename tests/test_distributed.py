@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import socket
-import time
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _helpers import free_port, run_ranks
 from _workers import distributed_worker
 
 import kernelpolicy.distributed
@@ -17,30 +15,9 @@ from kernelpolicy.testing import rms_norm_kernel_source, write_kernel_repo
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _run(tmp_path: Path, case: str) -> list[str]:
     repo = write_kernel_repo(tmp_path / "repo", rms_norm_kernel_source(can_torch_compile=True, offset=1.0))
-    context = mp.start_processes(  # type: ignore[no-untyped-call]
-        distributed_worker,
-        args=(2, _free_port(), str(tmp_path), case, str(repo)),
-        nprocs=2,
-        join=False,
-        start_method="spawn",
-    )
-    deadline = time.monotonic() + 180
-    try:
-        while not context.join(timeout=5):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"ranks of case {case!r} did not finish in 180 s")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
+    run_ranks(distributed_worker, 2, free_port(), str(tmp_path), case, str(repo))
     return [(tmp_path / f"rank{rank}.txt").read_text() for rank in range(2)]
 
 

@@ -127,3 +127,115 @@ class RMSNorm(nn.Module):
         kp.kernelize(model, mode="inference", device="cpu")
     with pytest.raises(NotImplementedError, match="the kernel's own limit: fp8 only"):
         model(torch.randn(2, 8))
+
+
+def test_explain_says_why_after_a_dtensor_fallback(norm: nn.Module, mesh: Any) -> None:
+    model, x = _sharded(norm, mesh)
+    (row,) = kp.explain(model)
+    assert (row.path, row.reason) == (
+        "kernel",
+        "kernel usable if its op has a sharding strategy for these DTensor parameters",
+    )
+    model(x)
+    (row,) = kp.explain(model)
+    assert row.path == "original"
+    assert row.reason.startswith("kernel cannot run on DTensor inputs (its op has no sharding strategy): ")
+    assert "kp_dtensor.rms_norm.default" in row.reason
+    with kp.kernel_policy("require"):
+        assert [r.path for r in kp.explain(model)] == ["error"]
+    with kp.kernels_disabled():
+        assert [(r.path, r.reason) for r in kp.explain(model)] == [("original", "disabled by policy")]
+
+
+@pytest.fixture
+def local_shards() -> Iterator[None]:
+    import kernelpolicy.distributed
+
+    kernelpolicy.distributed.run_on_local_shards("RMSNorm")
+    try:
+        yield
+    finally:
+        kernelpolicy.distributed.run_on_local_shards("RMSNorm", enabled=False)
+
+
+@pytest.mark.usefixtures("local_shards")
+@pytest.mark.parametrize("mode", ["prefer", "require"])
+def test_a_layer_declared_local_runs_its_kernel_on_the_shards(norm: nn.Module, mesh: Any, mode: str) -> None:
+    from torch.distributed.tensor import DTensor, Shard
+
+    model, x = _sharded(norm, mesh)
+    with kp.kernel_policy(mode), kp.record_calls() as calls:
+        out = model(x)
+    assert isinstance(out, DTensor) and out.placements == (Shard(0),) and out.device_mesh == mesh
+    torch.testing.assert_close(out.full_tensor(), _reference(x) + 100)  # the kernel adds 100
+    assert calls.by_layer() == {"RMSNorm": {"kernel": 1}}
+    assert {reason for (*_, reason), _ in calls.items()} == {
+        "kernel run on local shards (declared with kernelpolicy.distributed.run_on_local_shards)"
+    }
+    assert isinstance(model[0].weight, DTensor)  # the module is not changed
+    (row,) = kp.explain(model)
+    assert row.path == "kernel" and row.reason.endswith(
+        "on DTensor without a sharding strategy it runs on local shards"
+    )
+    with kp.kernels_disabled():
+        torch.testing.assert_close(model(x).full_tensor(), _reference(x))
+
+
+@pytest.mark.usefixtures("local_shards")
+def test_local_shards_carry_gradients_to_the_dtensor_parameters(tmp_path: Path, mesh: Any) -> None:
+    import kernels
+
+    source = custom_op_rms_norm_kernel_source("kp_dtensor::rms_norm_grad", offset=0.0, autograd=True)
+    repo = write_kernel_repo(tmp_path / "repo", source, name="dtensor-rmsnorm-grad")
+    model = nn.Sequential(RMSNorm(8)).train()
+    with kernels.use_kernel_mapping(
+        {"RMSNorm": {"cpu": kernels.LocalLayerRepository(repo_path=repo, layer_name="RMSNorm")}}
+    ):
+        kp.kernelize(model, mode="training", device="cpu")
+    model, x = _sharded(model, mesh)
+    x.requires_grad_(True)
+    with kp.record_calls() as calls:
+        model(x).pow(2).sum().backward()
+    assert calls.by_layer() == {"RMSNorm": {"kernel": 1}}
+    grads = (model[0].weight.grad.full_tensor(), x.grad.full_tensor())
+    model[0].weight.grad = x.grad = None
+    with kp.kernels_disabled():
+        model(x).pow(2).sum().backward()
+    torch.testing.assert_close(grads, (model[0].weight.grad.full_tensor(), x.grad.full_tensor()))
+
+
+def test_verify_on_dtensor_falls_back_like_prefer(norm: nn.Module, mesh: Any) -> None:
+    model, x = _sharded(norm, mesh)
+    with kp.kernel_policy("verify"), kp.record_calls() as calls:
+        out = model(x)
+    torch.testing.assert_close(out.full_tensor(), _reference(x))
+    assert calls.by_layer() == {"RMSNorm": {"original": 1}}
+
+
+@pytest.fixture(scope="module")
+def sequence_parallel(repo: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """What each of 2 ranks saw: a kernelized RMSNorm under ``SequenceParallel``, every policy (one spawn)."""
+    import json
+
+    from _helpers import free_port, run_ranks
+    from _workers import sequence_parallel_worker
+
+    out = tmp_path_factory.mktemp("sequence_parallel")
+    run_ranks(sequence_parallel_worker, 2, free_port(), str(out), str(repo))
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
+
+
+@pytest.mark.slow
+def test_sequence_parallel_on_two_ranks_obeys_every_policy(sequence_parallel: list[dict[str, Any]]) -> None:
+    for seen in sequence_parallel:
+        assert seen["prefer"]["offset"] == 0 and seen["prefer"]["calls"] == {"RMSNorm": {"original": 1}}
+        assert seen["prefer"]["explain"] == [
+            "original: kernel cannot run on DTensor inputs (its op has no sharding strategy): Operator "
+            "kp_dtensor.rms_norm.default does not have a sharding strategy registered."
+        ]
+        assert "no sharding strategy" in seen["require"]["error"]
+        assert seen["require"]["calls"] == {"RMSNorm": {"error": 1}}
+        assert seen["disable"]["offset"] == 0
+        assert seen["prefer, local shards"]["offset"] == 100
+        assert seen["prefer, local shards"]["calls"] == {"RMSNorm": {"kernel": 1}}
+        assert seen["require, local shards"]["offset"] == 100
