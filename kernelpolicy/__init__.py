@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from ._active import current_policy, known_layers
 from ._errors import KernelMismatchError, KernelUnavailableError, PolicyError, PolicyMismatchError, ScopeError
 from ._policy import ENV_VAR, MODES, Mode, Policy
+from ._processes import child_env, worker_init_fn
 from ._scope import kernel_policy, kernels_disabled, propagate, set_default_policy
 
 if TYPE_CHECKING:
@@ -88,6 +89,7 @@ __all__ = [
     "ScopeError",
     "WarmupReport",
     "attach",
+    "child_env",
     "current_policy",
     "execution_state",
     "explain",
@@ -102,4 +104,5 @@ __all__ = [
     "use_kernel_forward_from_hub",
     "warmup",
     "will_use_kernel",
+    "worker_init_fn",
 ]

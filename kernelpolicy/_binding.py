@@ -409,7 +409,11 @@ def _aware_members(cls: type[nn.Module]) -> dict[str, Any]:
                 tracing_state.pop_scope()
 
     def __reduce_ex__(self: nn.Module, protocol: Any) -> Any:
-        return (_restore, (_original_class(self), _own_state(self), None, _path(self)))
+        binding = binding_of(self)
+        dropped = None
+        if binding is not None and binding.kernel is not None:
+            dropped = binding.repository or f"{binding.kernel.__module__}.{binding.kernel.__qualname__}"
+        return (_restore, (_original_class(self), _own_state(self), None, _path(self), dropped))
 
     def __deepcopy__(self: nn.Module, memo: dict[int, Any]) -> nn.Module:
         binding = binding_of(self)
@@ -450,11 +454,18 @@ def _path(module: nn.Module) -> str | None:
 
 
 def _restore(
-    cls: type[nn.Module], state: dict[str, Any], kernel: Callable[..., Any] | None, path: str | None
+    cls: type[nn.Module],
+    state: dict[str, Any],
+    kernel: Callable[..., Any] | None,
+    path: str | None,
+    dropped: str | None = None,
 ) -> nn.Module:
     module = cls.__new__(cls)
     module.__setstate__(state)  # type: ignore[no-untyped-call]
     if kernel is not None:
         module.__dict__["forward"] = types.MethodType(kernel, module)
     _make_aware(module, path)
+    binding = binding_of(module)
+    if binding is not None and binding.kernel is None:
+        binding.dropped = dropped
     return module

@@ -138,6 +138,7 @@ class Binding:
 
     __slots__ = (
         "can_torch_compile",
+        "dropped",
         "dtensor_failure",
         "has_backward",
         "kernel",
@@ -174,12 +175,14 @@ class Binding:
         self.has_backward = kernel is None or getattr(kernel_class, "has_backward", True) is not False
         #: The last "no sharding strategy" error of the kernel on DTensor arguments, for ``explain``.
         self.dtensor_failure: str | None = None
+        #: The kernel this module had before it was pickled (pickling drops kernels), for ``explain``.
+        self.dropped: str | None = None
 
     def needs_backward(self) -> bool:
         return self.module.training and torch.is_grad_enabled()
 
     def decide(self, mode: Mode, state: ExecutionState) -> tuple[Path, str]:
-        return decide(
+        path, reason = decide(
             mode,
             has_kernel=self.kernel is not None,
             can_torch_compile=self.can_torch_compile,
@@ -187,6 +190,9 @@ class Binding:
             state=state,
             needs_backward=self.needs_backward(),
         )
+        if reason == NO_KERNEL and self.dropped is not None:
+            reason = f"{NO_KERNEL}: {self.dropped} was dropped when the module was pickled (kernelize after loading)"
+        return path, reason
 
     def slow(
         self, mode: Mode, args: tuple[Any, ...], kwargs: dict[str, Any], state: ExecutionState | None = None

@@ -120,3 +120,36 @@ def sequence_parallel_worker(rank: int, world: int, port: int, out_dir: str, rep
     finally:
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
         dist.destroy_process_group()
+
+
+class PolicyReport:
+    """A map-style dataset (what DataLoader needs: ``__len__``, ``__getitem__``) whose items are the policy where they are made."""
+
+    def __init__(self, size: int = 2) -> None:
+        self.size = size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> str:
+        return policy_text()
+
+
+WORKER_IDS: list[int] = []
+
+
+def note_worker_id(worker_id: int) -> None:
+    """A user's ``worker_init_fn``: it sees the policy already set, and its worker id."""
+    WORKER_IDS.append(worker_id)
+    import os
+
+    os.environ["KP_TEST_INIT"] = f"{worker_id} {policy_text()}"
+
+
+class InitReport(PolicyReport):
+    """Items report what :func:`note_worker_id` saw in this worker."""
+
+    def __getitem__(self, index: int) -> str:
+        import os
+
+        return os.environ.get("KP_TEST_INIT", "not called")

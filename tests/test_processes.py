@@ -1,4 +1,5 @@
-"""Processes: errors that pickle, forked children that never inherit a held lock, KERNELPOLICY on every path."""
+"""Processes: errors that pickle, forked children that never inherit a held lock, KERNELPOLICY on every path,
+process pools under every start method, DataLoader workers (fork and spawn), launched children."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import sys
 import textwrap
 import threading
 import time
+from typing import Any
 
 import pytest
 
@@ -136,3 +138,103 @@ def test_propagated_function_keeps_its_name_and_pickles_by_value() -> None:
     assert wrapped.__name__ == "policy_text" and wrapped.__wrapped__ is policy_text  # type: ignore[attr-defined]
     assert wrapped() == "disable"
     assert pickle.loads(pickle.dumps(wrapped))() == "disable"
+
+
+def _loader_items(method: str, **options: Any) -> list[str]:
+    from torch.utils.data import DataLoader
+
+    dataset = options.pop("dataset", None)
+    if dataset is None:
+        from _workers import PolicyReport
+
+        dataset = PolicyReport()
+    loader = DataLoader(dataset, batch_size=None, num_workers=1, multiprocessing_context=method, timeout=120, **options)
+    return list(loader)
+
+
+def test_forked_dataloader_workers_inherit_the_scope_where_iteration_starts() -> None:
+    assert _loader_items("fork") == ["prefer", "prefer"]
+    with kp.kernel_policy("disable", RMSNorm="require"):
+        assert _loader_items("fork") == ["disable,RMSNorm=require"] * 2
+
+
+@pytest.mark.slow
+def test_spawned_dataloader_workers_see_only_the_environment_unless_given_worker_init_fn() -> None:
+    with kp.kernel_policy("disable", RMSNorm="require"):
+        assert _loader_items("spawn") == ["prefer", "prefer"]  # the scope does not reach a spawned worker
+        init = kp.worker_init_fn()
+    assert _loader_items("spawn", worker_init_fn=init) == ["disable,RMSNorm=require"] * 2
+
+
+@pytest.mark.parametrize("method", ["fork", pytest.param("spawn", marks=pytest.mark.slow)])
+def test_worker_init_fn_calls_the_users_initializer_after_setting_the_policy(method: str) -> None:
+    from _workers import InitReport, note_worker_id
+
+    with kp.kernels_disabled():
+        init = kp.worker_init_fn(note_worker_id)
+    assert _loader_items(method, worker_init_fn=init, dataset=InitReport()) == ["0 disable", "0 disable"]
+
+
+def test_persistent_forked_workers_keep_the_policy_of_their_first_iteration() -> None:
+    from _workers import PolicyReport
+    from torch.utils.data import DataLoader
+
+    loader = DataLoader(
+        PolicyReport(),
+        batch_size=None,
+        num_workers=1,
+        multiprocessing_context="fork",
+        persistent_workers=True,
+        timeout=120,
+    )
+    with kp.kernels_disabled():
+        assert list(loader) == ["disable", "disable"]
+    assert list(loader) == ["disable", "disable"]  # the same worker process, forked inside the scope
+    with kp.kernel_policy("require"):
+        assert list(loader) == ["disable", "disable"]
+
+
+def test_worker_init_fn_is_the_initializer_of_a_spawned_process_pool() -> None:
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    from _workers import policy_text
+
+    with kp.kernel_policy(RMSNorm="disable"):
+        init = kp.worker_init_fn()
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=init) as pool:
+        assert pool.submit(policy_text).result(timeout=120) == "prefer,RMSNorm=disable"
+
+
+def test_child_env_sets_the_policy_of_a_launched_process() -> None:
+    with kp.kernel_policy("verify", atol=0.5, RMSNorm="disable"):
+        env = kp.child_env()
+    code = "import kernelpolicy; print(kernelpolicy.current_policy())"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert kp.Policy.parse(done.stdout.strip()) == kp.Policy("verify", atol=0.5, RMSNorm="disable")
+
+
+def test_a_pickled_module_says_its_kernel_was_dropped(tmp_path: Any) -> None:
+    import kernels
+    import torch
+
+    from kernelpolicy._demo import DemoModel
+    from kernelpolicy.testing import rms_norm_kernel_source, write_kernel_repo
+
+    repo = write_kernel_repo(tmp_path / "repo", rms_norm_kernel_source(can_torch_compile=True, offset=100.0))
+    model = DemoModel(16).eval()
+    layer = kernels.LocalLayerRepository(repo_path=repo, layer_name="RMSNorm")
+    with kernels.use_kernel_mapping({"RMSNorm": {"cpu": layer}}):
+        kp.kernelize(model, mode="inference", device="cpu")
+    loaded = pickle.loads(pickle.dumps(model))  # what a spawned DataLoader worker or process pool receives
+    x = torch.randn(2, 16)
+    with kp.kernels_disabled():
+        torch.testing.assert_close(loaded(x), model(x))  # under prefer: the original, silently but for explain
+    dropped = f"no kernel bound: {repo}:RMSNorm was dropped when the module was pickled (kernelize after loading)"
+    assert {(row.path, row.reason) for row in kp.explain(loaded)} == {("original", dropped)}
+    with kp.kernel_policy("require"), pytest.raises(kp.KernelUnavailableError, match="was dropped when the module"):
+        loaded(x)
+    with kernels.use_kernel_mapping({"RMSNorm": {"cpu": layer}}):
+        kp.kernelize(loaded, mode="inference", device="cpu")
+    assert {(row.path, row.reason) for row in kp.explain(loaded)} == {("kernel", "kernel usable")}
