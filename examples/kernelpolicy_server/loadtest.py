@@ -8,7 +8,9 @@ one async httpx client:
 
 - **mixed** (the leak test): every request carries its own policy (no
   header, ``disable``, ``prefer,RMSNorm=disable``, ``RMSNorm=require``,
-  ``disable,RMSNorm=require``, ``require``, and malformed headers). Each
+  ``disable,RMSNorm=require``, ``require``, malformed headers, one of them
+  8 KB, and malformed bodies: JSON nested 5,000 deep, a field of the wrong
+  type). Each
   response is checked against its own policy: the policy string the worker
   thread saw, the tokens (``max_new_tokens`` of them, identical across
   policies for one prompt: the kernel is bit-exact), and the calls per
@@ -16,7 +18,8 @@ one async httpx client:
   original path as the policy says, SiLU and rotary embeddings original
   only, one forward per new token). ``require`` must fail with 422 (SiLU and
   the rotary embedding have no kernel), malformed headers with 400 and the
-  parser's message. Any response that does not match is a *leak*.
+  parser's message (at most 1,000 characters: long input is cut), malformed
+  bodies with 400 and the body parser's message. Any response that does not match is a *leak*.
 - **policies** and **prefer** (the cost): the same number of requests again,
   all of them generating: *policies* with the five valid headers above
   shuffled, *prefer* with no header (policies not used). Like for like, so
@@ -85,9 +88,13 @@ class Case:
     status: int
     policy: str | None = None  # str(policy) the worker must report (200 only)
     rmsnorm: str | None = None  # the path every RMSNorm call must take (200 only)
+    body: bytes | None = None  # a raw (malformed) request body instead of the prompt's JSON
+    label: str | None = None  # the name in reports, where the header or body is too long to show
 
     @property
     def name(self) -> str:
+        if self.label is not None:
+            return self.label
         return "(no header)" if self.header is None else self.header
 
 
@@ -102,6 +109,9 @@ CASES: tuple[Case, ...] = (
     Case("require", 422),  # SiLU and rotary_pos_emb have no kernel: KernelUnavailableError
     Case("RMSNorm=fast", 400),
     Case("disable,SiLU=fast", 400),
+    Case("RMSNorm=fast" + "x" * 64_000, 400, label="(64 KB malformed header)"),  # uvicorn itself refuses 100 KB
+    Case(None, 400, body=b"[" * 5000 + b"]" * 5000, label="(JSON body nested 5,000 deep)"),
+    Case(None, 400, body=b'{"input_ids": [1, 2], "max_new_tokens": "3"}', label="(max_new_tokens a string)"),
 )
 #: The compiled server's allowlist: the policies of the generating cases (the default is always served).
 ALLOWED: tuple[Policy, ...] = tuple(Policy.parse(c.header or "prefer") for c in CASES if c.status == 200)
@@ -186,8 +196,14 @@ def check(result: Result, steps: int, setup: Setup = EAGER) -> str | None:
         return f"status {result.status}, expected {case.status}: {str(body)[:200]}"
     if not isinstance(body, dict):
         return f"body is not a JSON object: {str(body)[:200]}"
+    if case.status == 400 and case.body is not None:
+        if not str(body.get("error", "")).startswith("bad request body: "):
+            return f"400 without the body parser's message: {str(body)[:200]}"
+        return None
     if case.status == 400:
         assert case.header is not None
+        if len(str(body.get("error", ""))) > 1000:
+            return f"400 message of {len(str(body.get('error')))} characters: input echoed untruncated"
         if body.get("error") != message_400(case.header):
             return f"400 without the expected message: {body!r}"
         return None
@@ -303,7 +319,12 @@ async def _send(
     async with gate:
         start = time.perf_counter()
         try:
-            response = await client.post("/generate", json={"input_ids": ids, "max_new_tokens": steps}, headers=headers)
+            if case.body is None:
+                request = {"input_ids": ids, "max_new_tokens": steps}
+                response = await client.post("/generate", json=request, headers=headers)
+            else:
+                headers["content-type"] = "application/json"
+                response = await client.post("/generate", content=case.body, headers=headers)
             status: int | None = response.status_code
             try:
                 body: Any = response.json()
@@ -433,7 +454,8 @@ async def _run(
         latencies = [r.latency_s for r in rows]
         per_case.append(
             {
-                "header": case.header,
+                "case": case.name,
+                "header": case.header if case.label is None else None,
                 "expected_status": case.status,
                 "sent": len(rows),
                 "matched": sum(1 for r in rows if r.status is not None and check(r, steps, setup) is None),
@@ -564,7 +586,7 @@ def markdown(results: dict[str, Any]) -> str:
         "| --- | --- |",
         f"| leaks (responses not matching their own policy) | **{checks['leaks']}** of {checks['responses_checked']} |",
         f"| transport errors | {checks['transport_errors']} |",
-        f"| malformed (compiled: or unlisted) headers answered 400 with the parser's (allowlist's) message | "
+        f"| malformed headers and bodies (compiled: or unlisted policies) answered 400 with the parser's (allowlist's) message | "
         f"{checks['malformed_400_with_parser_message']} / {checks['malformed_sent']} |",
         f"| `require` answered 422 (SiLU, rotary embedding: no kernel) | {checks['require_422']} / {checks['require_sent']} |",
         f"| served after malformed headers | {'yes' if checks['served_after_malformed'] else 'NO'} "
@@ -582,11 +604,11 @@ def markdown(results: dict[str, Any]) -> str:
         f"| server shut down cleanly | {'yes' if checks['server_shutdown_clean'] else 'NO'} "
         f"(exit code {checks['server_exit_code']}) |",
         "",
-        "| mixed phase: header | expected | sent | matched | p50 ms |",
+        "| mixed phase: case | expected | sent | matched | p50 ms |",
         "| --- | --- | --- | --- | --- |",
     ]
     for case in results["cases"]:
-        header = "(none)" if case["header"] is None else f"`{case['header']}`"
+        header = case["case"] if case["header"] is None else f"`{case['header']}`"
         lines.append(
             f"| {header} | {case['expected_status']} | {case['sent']} | {case['matched']} | {case['p50_ms']} |"
         )
