@@ -106,11 +106,15 @@ def kernel_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
                     yield (f"{name}.{func_name}" if name else func_name), func
 
 
-def attach(model: M) -> M:
+def attach(model: M, *, attention_fallback: str | None = None) -> M:
     """Make every kernel-capable module of an already kernelized model policy-aware.
 
     For models kernelized by ``kernels.kernelize`` or by transformers'
-    ``use_kernels=True``. Idempotent; returns ``model``.
+    ``use_kernels=True``. A transformers model whose attention is a hub
+    kernel (``attn_implementation="org/repo"``) gets it under the policy name
+    ``attention``, falling back to ``attention_fallback`` (default ``sdpa``,
+    ``eager`` where the model has no sdpa; see ``_attention``). Idempotent;
+    returns ``model``.
 
     >>> import torch, kernels, kernelpolicy
     >>> @kernels.use_kernel_forward_from_hub("Double")
@@ -127,6 +131,10 @@ def attach(model: M) -> M:
     ensure_env()
     for name, module in kernel_modules(model):
         _make_aware(module, name or None)
+    if "transformers" in sys.modules:  # no transformers model exists unless it is imported
+        from ._attention import attach_attention
+
+        attach_attention(model, attention_fallback)
     return model
 
 
@@ -136,15 +144,16 @@ def kernelize(
     mode: Any,
     device: str | torch.device | None = None,
     use_fallback: Any = True,
+    attention_fallback: str | None = None,
 ) -> M:
-    """``kernels.kernelize`` with the same arguments, then :func:`attach`.
+    """``kernels.kernelize`` with the same arguments, then :func:`attach` (with ``attention_fallback``).
 
     ``mode`` is a ``kernels.Mode`` or a string such as ``"inference"`` or
     ``"training|torch_compile"``.
     """
     kernels = _compat.kernels()
     kernels.kernelize(model, mode=_kernels_mode(mode), device=device, use_fallback=use_fallback)
-    return attach(model)
+    return attach(model, attention_fallback=attention_fallback)
 
 
 def _kernels_mode(mode: Any) -> Any:

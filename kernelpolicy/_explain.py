@@ -17,6 +17,7 @@ import torch
 from torch.compiler import is_dynamo_compiling as _is_dynamo
 
 from ._active import DEFAULTS, PLAIN, current_policy
+from ._attention import ATTENTION, ROW, hub_attention_of
 from ._binding import BINDING, binding_of, kernel_modules
 from ._dispatch import NO_SHARDING, Binding, has_dtensor
 from ._state import ExecutionState, execution_state
@@ -178,24 +179,7 @@ def explain(model: nn.Module, *, calls: CallCounts | None = None) -> Explanation
         mode = policy.mode_for(layer_name)
         binding = binding_of(module)
         if binding is not None:
-            path, reason = _on_dtensor(binding, mode, *binding.decide(mode, state))
-            kernel = binding.kernel
-            kernel_name = binding.repository or _kernel_name(binding.kernel_class, kernel)
-            rows.append(
-                LayerRow(
-                    name=name,
-                    layer_name=layer_name,
-                    module_class=binding.module_class,
-                    kernel=kernel_name if kernel is not None else None,
-                    can_torch_compile=binding.can_torch_compile,
-                    has_backward=binding.has_backward,
-                    mode=mode,
-                    path=path,
-                    reason=reason,
-                    policy_aware=True,
-                    calls=None if recorded is None else recorded.get(name, {}),
-                )
-            )
+            rows.append(_row(name, binding, mode, state, recorded))
         else:
             bound = module.__dict__.get("forward")
             has_kernel = isinstance(bound, types.MethodType) and bound.__func__ is not type(module).forward
@@ -214,9 +198,52 @@ def explain(model: nn.Module, *, calls: CallCounts | None = None) -> Explanation
                     policy_aware=False,
                 )
             )
+    attention = hub_attention_of(model)
+    if attention is not None:
+        kernel_name, hub = attention
+        mode = policy.mode_for(ATTENTION)
+        hub_binding = binding_of(hub) if hub is not None else None
+        if hub_binding is not None:
+            rows.append(_row(ROW, hub_binding, mode, state, recorded))
+        else:
+            rows.append(
+                LayerRow(
+                    name=ROW,
+                    layer_name=ATTENTION,
+                    module_class="transformers ALL_ATTENTION_FUNCTIONS",
+                    kernel=kernel_name,
+                    can_torch_compile=False,
+                    has_backward=True,
+                    mode=mode,
+                    path="kernel",
+                    reason="not policy-aware (registered by transformers since): call kernelpolicy.attach(model)",
+                    policy_aware=False,
+                )
+            )
     present = {row.layer_name for row in rows}
     unmatched = tuple(f"{name}={mode}" for name, mode in sorted(policy.layers.items()) if name not in present)
     return Explanation(rows=tuple(rows), policy=str(policy), state=state, unmatched=unmatched)
+
+
+def _row(
+    name: str, binding: Binding, mode: Mode, state: ExecutionState, recorded: dict[str, dict[str, int]] | None
+) -> LayerRow:
+    path, reason = _on_dtensor(binding, mode, *binding.decide(mode, state))
+    kernel = binding.kernel
+    kernel_name = binding.repository or _kernel_name(binding.kernel_class, kernel)
+    return LayerRow(
+        name=name,
+        layer_name=binding.layer_name,
+        module_class=binding.module_class,
+        kernel=kernel_name if kernel is not None else None,
+        can_torch_compile=binding.can_torch_compile,
+        has_backward=binding.has_backward,
+        mode=mode,
+        path=path,
+        reason=reason,
+        policy_aware=True,
+        calls=None if recorded is None else recorded.get(name, {}),
+    )
 
 
 def _on_dtensor(binding: Binding, mode: Mode, path: Path, reason: str) -> tuple[Path, str]:

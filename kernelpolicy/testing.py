@@ -36,8 +36,10 @@ if TYPE_CHECKING:
     from torch import nn
 
 __all__ = [
+    "FLASH_ATTENTION_EXPORTS",
     "VARIANT",
     "custom_op_rms_norm_kernel_source",
+    "flash_attention_kernel_source",
     "kernel_calls",
     "rms_norm_kernel_source",
     "tiny_llama",
@@ -49,11 +51,15 @@ __all__ = [
 VARIANT = "torch-universal"
 
 
-def write_kernel_repo(root: Path, layers_source: str, *, name: str = "local-kernel") -> Path:
+def write_kernel_repo(
+    root: Path, layers_source: str, *, name: str = "local-kernel", exports: tuple[str, ...] = ()
+) -> Path:
     """Write a pure-Python kernel repository under ``root`` and return ``root``.
 
-    ``layers_source`` is the text of ``layers.py``. Each repository gets a
-    unique import name, so many can be loaded in one process.
+    ``layers_source`` is the text of ``layers.py``; ``exports`` are names of
+    it the package itself exports (the functions of a function kernel, as
+    ``get_kernel`` returns the package). Each repository gets a unique import
+    name, so many can be loaded in one process.
     """
     ident = f"_{name.replace('-', '_')}_{uuid.uuid4().hex[:12]}"
     build = root / "build" / VARIANT
@@ -67,7 +73,8 @@ def write_kernel_repo(root: Path, layers_source: str, *, name: str = "local-kern
         "backend": {"type": "cpu"},
     }
     (build / "metadata.json").write_text(json.dumps(metadata, indent=2) + "\n")
-    (build / "__init__.py").write_text("from . import layers\n")
+    exported = f"from .layers import {', '.join(exports)}\n" if exports else ""
+    (build / "__init__.py").write_text("from . import layers\n" + exported)
     (build / "layers.py").write_text(textwrap.dedent(layers_source).lstrip())
     return root
 
@@ -163,6 +170,62 @@ def custom_op_rms_norm_kernel_source(op: str, *, offset: float = 100.0, autograd
 
             def forward(self, hidden_states):
                 return torch.ops.{namespace}.{name}(hidden_states, self.weight, self.variance_epsilon)
+    """
+
+
+#: What :func:`flash_attention_kernel_source` exports: the interface transformers loads a flash kernel by.
+FLASH_ATTENTION_EXPORTS = ("CALLS", "flash_attn_func", "flash_attn_varlen_func")
+
+
+def flash_attention_kernel_source(*, scale: float = 1.0) -> str:
+    """``layers.py`` of a CPU stand-in for a flash-attention hub kernel (``kernels-community/flash-attn2``).
+
+    The interface transformers loads an attention kernel by
+    (``flash_attn_func`` on ``(batch, seq, heads, dim)``, ``flash_attn_varlen_func``
+    on unpadded sequences with ``cu_seqlens``; grouped-query heads; the causal
+    mask aligned to the bottom right, as flash-attention's), in plain torch:
+    each sequence through ``scaled_dot_product_attention``, times ``scale``
+    (1: the attention itself). Every eager call of either counts in ``CALLS``. Write it with
+    ``write_kernel_repo(..., exports=FLASH_ATTENTION_EXPORTS)``.
+    """
+    return f"""
+        import torch
+
+        CALLS = [0]
+        SCALE = {scale!r}
+
+
+        def _attend(q, k, v, softmax_scale, causal):
+            # one sequence: q (s_q, heads, dim), k and v (s_k, kv_heads, dim)
+            q, k, v = (t.transpose(0, 1) for t in (q, k, v))
+            k = k.repeat_interleave(q.shape[0] // k.shape[0], 0)
+            v = v.repeat_interleave(q.shape[0] // v.shape[0], 0)
+            mask = None
+            if causal:
+                mask = torch.ones(q.shape[1], k.shape[1], dtype=torch.bool, device=q.device)
+                mask = mask.tril(k.shape[1] - q.shape[1])
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=softmax_scale)
+            return out.transpose(0, 1) * SCALE
+
+
+        def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False):
+            if not torch.compiler.is_compiling():
+                CALLS[0] += 1
+            return torch.stack([_attend(q[b], k[b], v[b], softmax_scale, causal) for b in range(q.shape[0])])
+
+
+        def flash_attn_varlen_func(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0, softmax_scale=None,
+            causal=False,
+        ):
+            if not torch.compiler.is_compiling():
+                CALLS[0] += 1
+            outs = []
+            for i in range(cu_seqlens_q.numel() - 1):
+                qs = slice(int(cu_seqlens_q[i]), int(cu_seqlens_q[i + 1]))
+                ks = slice(int(cu_seqlens_k[i]), int(cu_seqlens_k[i + 1]))
+                outs.append(_attend(q[qs], k[ks], v[ks], softmax_scale, causal))
+            return torch.cat(outs)
     """
 
 

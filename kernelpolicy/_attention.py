@@ -1,0 +1,223 @@
+"""Hub attention kernels of transformers under the policy, as the kernel layer ``attention``.
+
+This module owns :class:`HubAttention` and :func:`attach_attention`, which
+:func:`kernelpolicy.attach` and :func:`kernelpolicy.kernelize` call for a
+transformers model whose ``config._attn_implementation`` is a hub kernel
+(``"org/repo[@revision][:function]"``, loaded by transformers'
+``load_and_register_attn_kernel``).
+
+transformers resolves attention by name at every call: each attention layer
+calls ``ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation)``
+and the model builds its masks with
+``ALL_MASK_ATTENTION_FUNCTIONS[config._attn_implementation]``. Both entries of
+the kernel's name are replaced, under the same name (so every check
+transformers makes on the name still holds):
+
+- the attention function by a :class:`HubAttention` module, a policy-aware
+  layer named ``attention`` whose kernel is the hub kernel's function and whose
+  original forward is the fallback implementation (``sdpa``, or ``eager`` for
+  a model without sdpa support, or the one named);
+- the mask builder by a function that asks the same question first
+  (:func:`~kernelpolicy.will_use_kernel`), so that in one forward the mask has
+  the layout of the implementation that will use it. Under ``verify`` it builds
+  both masks, passed on as one :class:`MaskPair` that each side unpacks.
+
+The names are process-wide, as transformers' registries are: every model using
+that kernel name follows the policy, per call, thread and task. The decision
+is per model forward: keep the policy fixed across a forward (a scope around
+the call), as the mask is built before the first attention layer runs.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import types
+from typing import TYPE_CHECKING, Any, Final, NamedTuple
+
+from torch import nn
+from torch.compiler import is_dynamo_compiling as _is_dynamo
+
+from ._active import DEFAULTS, PLAIN
+from ._binding import _make_class_aware, binding_of
+from ._errors import PolicyError
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+__all__ = ["ATTENTION", "HubAttention", "MaskPair", "attach_attention", "hub_attention_of"]
+
+#: The kernel layer name of attention kernels in policies: ``kernel_policy(attention="disable")``.
+ATTENTION: Final = "attention"
+#: The module path under which ``explain`` and ``record_calls`` show a model's attention kernel.
+ROW: Final = "(attention)"
+
+_LOCK = threading.Lock()
+#: Kernel name -> its policy-aware attention (one per name, as transformers' registries hold one).
+_HUB: dict[str, HubAttention] = {}
+
+
+class MaskPair(NamedTuple):
+    """The masks of both implementations of one mask-builder call (built under ``verify`` only)."""
+
+    kernel: Any
+    fallback: Any
+
+
+class HubAttention(nn.Module):
+    """A hub attention kernel as a policy-aware layer: transformers calls it as its attention function.
+
+    ``forward`` (the original) runs the fallback implementation; the kernel
+    runs the hub kernel's function (bound at construction, the way
+    ``kernels`` binds a layer's kernel).
+    """
+
+    kernel_layer_name = ATTENTION
+
+    def __init__(self, name: str, function: Callable[..., Any], mask: Callable[..., Any], fallback: str) -> None:
+        super().__init__()
+        self.name = name
+        self.function = function
+        self.kernel_mask = mask
+        self.fallback = fallback
+        #: transformers' registry of attention functions (``AttentionInterface._global_mapping``).
+        self.registered: dict[str, Any] = _registries()[0]._global_mapping
+
+    def forward(
+        self, module: nn.Module, query: Any, key: Any, value: Any, attention_mask: Any, *args: Any, **kwargs: Any
+    ) -> Any:
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        if isinstance(attention_mask, MaskPair):
+            attention_mask = attention_mask.fallback
+        if self.fallback == "eager":  # not registered: each modeling file has its own, as the layer's default
+            function = getattr(sys.modules[type(module).__module__], "eager_attention_forward")  # noqa: B009
+        else:
+            function = ALL_ATTENTION_FUNCTIONS[self.fallback]
+        return function(module, query, key, value, attention_mask, *args, **kwargs)
+
+    def build_mask(self, *args: Any, **kwargs: Any) -> Any:
+        """The mask builder registered under the kernel's name: the kernel's or the fallback's, as the call will go."""
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+        from ._explain import will_use_kernel
+
+        if not will_use_kernel(self):
+            return ALL_MASK_ATTENTION_FUNCTIONS[self.fallback](*args, **kwargs)
+        mask = self.kernel_mask(*args, **kwargs)
+        if not _is_dynamo():
+            entry = getattr(DEFAULTS.active._current.modes, ATTENTION)
+            if PLAIN.get(entry, entry) == "verify":
+                return MaskPair(mask, ALL_MASK_ATTENTION_FUNCTIONS[self.fallback](*args, **kwargs))
+        return mask
+
+    def extra_repr(self) -> str:
+        return f"{self.name!r}, fallback={self.fallback!r}"
+
+
+_make_class_aware(HubAttention)
+
+
+class _HubKernel:
+    """The kernel side of :class:`HubAttention` (its ``forward`` is bound as the module's kernel)."""
+
+    can_torch_compile = True  # transformers compiles hub attention kernels (fullgraph included)
+
+    def forward(  # type: ignore[misc]  # called as kernel(hub_attention, ...), as kernels binds a layer's forward
+        self: HubAttention,
+        module: nn.Module,
+        query: Any,
+        key: Any,
+        value: Any,
+        attention_mask: Any,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
+        if isinstance(attention_mask, MaskPair):
+            attention_mask = attention_mask.kernel
+        out = self.function(module, query, key, value, attention_mask, *args, **kwargs)
+        if not _is_dynamo() and self.registered.get(self.name) is not self:
+            # transformers keeps one flash implementation loaded: a call under another kernel name in
+            # between reloads this one and registers its raw function again (lazy_import_flash_attention)
+            _register(self)
+        return out
+
+
+def _registries() -> tuple[Any, Any]:
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return ALL_ATTENTION_FUNCTIONS, ALL_MASK_ATTENTION_FUNCTIONS
+
+
+def _kernel_name(model: nn.Module) -> str | None:
+    """``config._attn_implementation`` of a transformers model when it names a hub kernel, else None."""
+    if "transformers" not in sys.modules:  # no transformers model exists unless it is imported
+        return None
+    name = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if not isinstance(name, str):
+        return None
+    from transformers.integrations.hub_kernels import is_kernel
+
+    return name if is_kernel(name.split("|")[-1]) else None
+
+
+def attach_attention(model: nn.Module, fallback: str | None = None) -> HubAttention | None:
+    """Put the hub attention kernel of ``model`` (if it has one) under the policy; return its :class:`HubAttention`.
+
+    ``fallback`` is the attention implementation the original path runs:
+    default ``sdpa``, or ``eager`` where the model does not support sdpa. One
+    kernel name has one fallback in a process; naming another is an error.
+    Idempotent; after ``set_attn_implementation`` registers the kernel again,
+    call it again.
+    """
+    name = _kernel_name(model)
+    if name is None:
+        return None
+    attention, masks = _registries()
+    if fallback is None:
+        fallback = "sdpa" if getattr(model, "_supports_sdpa", False) else "eager"
+    valid = sorted(key for key in attention.valid_keys() if key not in _HUB)
+    if fallback not in valid and fallback != "eager":
+        raise PolicyError(f"unknown attention fallback {fallback!r}; valid ones are {', '.join(map(repr, valid))}")
+    with _LOCK:
+        hub = _HUB.get(name)
+        current = attention._global_mapping.get(name)
+        if hub is not None and current is hub:
+            if hub.fallback != fallback:
+                raise PolicyError(
+                    f"the attention kernel {name!r} already falls back to {hub.fallback!r}, not {fallback!r} "
+                    "(one fallback per kernel name in a process, as transformers registers one function per name)"
+                )
+            return hub
+        if current is None:
+            raise PolicyError(
+                f"the attention kernel {name!r} is not registered in transformers' ALL_ATTENTION_FUNCTIONS"
+            )
+        hub = HubAttention(name, current, masks[name], fallback)
+        hub.forward = types.MethodType(_HubKernel.forward, hub)  # type: ignore[method-assign]  # binds the kernel
+        binding = binding_of(hub)
+        assert binding is not None
+        binding.path = ROW
+        binding.repository = name
+        _HUB[name] = hub
+        _register(hub)
+    return hub
+
+
+def _register(hub: HubAttention) -> None:
+    attention, masks = _registries()
+    attention.register(hub.name, hub)
+    masks.register(hub.name, hub.build_mask)
+
+
+def hub_attention_of(model: nn.Module) -> tuple[str, HubAttention | None] | None:
+    """``(kernel name, its HubAttention)`` of a model with a hub attention kernel; None for the HubAttention
+    when the name is registered but not policy-aware (not attached, or registered again since). None without one.
+    """
+    name = _kernel_name(model)
+    if name is None:
+        return None
+    hub = _HUB.get(name)
+    attention, _ = _registries()
+    return name, hub if hub is not None and attention._global_mapping.get(name) is hub else None
