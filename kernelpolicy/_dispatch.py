@@ -45,8 +45,9 @@ message): with ``fullgraph=True`` compilation fails with
 ``torch._dynamo.exc.Unsupported`` carrying that message; with
 ``fullgraph=False`` the :class:`KernelUnavailableError` is raised at run time
 by the code after the break. It never runs the untraceable kernel silently.
-Under export, fx and jit tracing the Python code runs, so the error is raised
-as in eager code.
+Strict ``torch.export`` traces with TorchDynamo, so it fails as
+``fullgraph=True`` does; under non-strict export, fx and jit tracing the
+Python code runs, so the error is raised as in eager code.
 """
 
 from __future__ import annotations

@@ -126,3 +126,65 @@ def test_record_calls_on_generate(llama: Any) -> None:
     assert calls.by_layer()["RMSNorm"] == {"original": 5}
     reasons = {reason for (_, layer, _, reason), _ in calls.items() if layer == "SiLU"}
     assert reasons == {"no kernel bound"}
+
+
+CAUSAL_CONV1D_KERNEL = """
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+CALLS = [0]
+
+
+class causal_conv1d_fn(nn.Module):
+    can_torch_compile = True
+
+    def forward(self, hidden_states, weight, bias=None, activation=None, **kwargs):
+        CALLS[0] += 1
+        _, hidden_size, seq_len = hidden_states.shape
+        padding = weight.shape[-1] - 1
+        out = F.conv1d(hidden_states.to(weight.dtype), weight.unsqueeze(1), bias, padding=padding, groups=hidden_size)
+        out = out[:, :, :seq_len]
+        if activation in ("silu", "swish"):
+            out = F.silu(out)
+        return out.to(hidden_states.dtype)
+"""
+
+
+def test_mamba2_function_kernel_with_package_fallback_obeys_the_policy(tmp_path: Any) -> None:
+    """``use_kernel_func_from_hub_with_fallback``: a hub kernel, else the package (causal_conv1d), else torch.
+
+    Neither package is installed here, so ``disable`` means transformers' torch implementation: what the
+    model runs without hub kernels.
+    """
+    import transformers
+
+    from kernelpolicy.testing import write_kernel_repo
+
+    repo = write_kernel_repo(tmp_path / "repo", CAUSAL_CONV1D_KERNEL, name="causal-conv1d")
+    config = transformers.Mamba2Config(
+        hidden_size=64, num_hidden_layers=2, vocab_size=256, num_heads=4, head_dim=32, state_size=16, n_groups=1
+    )
+    torch.manual_seed(0)
+    model = transformers.Mamba2ForCausalLM(config).eval()
+    torch.manual_seed(0)
+    reference = transformers.Mamba2ForCausalLM(config).eval()  # never kernelized
+    layer = kernels.LocalLayerRepository(repo_path=repo, layer_name="causal_conv1d_fn")
+    with kernels.use_kernel_mapping({"causal_conv1d_fn": {"cpu": layer}}):
+        kp.kernelize(model, mode="inference", device="cpu")
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
+    expected = reference(ids).logits
+    with kp.record_calls() as calls:
+        torch.testing.assert_close(model(ids).logits, expected, rtol=0, atol=0)
+        with kp.kernel_policy(causal_conv1d_fn="disable"):
+            torch.testing.assert_close(model(ids).logits, expected, rtol=0, atol=0)
+    # one function module, shared by both mixers: a call per layer per forward, kernel then torch
+    assert calls.by_layer()["causal_conv1d_fn"] == {"kernel": 2, "original": 2}
+    assert calls.by_layer()["mamba_chunk_scan_combined"] == {"original": 4}  # no hub kernel mapped
+    rows = {row.layer_name: row for row in kp.explain(model)}
+    assert rows["causal_conv1d_fn"].path == "kernel" and rows["causal_conv1d_fn"].name.endswith(
+        "mixer.causal_conv1d_fn"
+    )
+    with kp.kernels_disabled():
+        tokens = model.generate(ids, max_new_tokens=3, do_sample=False)
+    assert torch.equal(tokens, model.generate(ids, max_new_tokens=3, do_sample=False))
