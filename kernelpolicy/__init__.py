@@ -24,7 +24,14 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from ._active import current_policy, known_layers
-from ._errors import KernelMismatchError, KernelUnavailableError, PolicyError, PolicyMismatchError, ScopeError
+from ._errors import (
+    KernelMismatchError,
+    KernelUnavailableError,
+    OriginalUnavailableError,
+    PolicyError,
+    PolicyMismatchError,
+    ScopeError,
+)
 from ._policy import ENV_VAR, MODES, Mode, Policy
 from ._processes import child_env, worker_init_fn
 from ._scope import kernel_policy, kernels_disabled, propagate, set_default_policy
@@ -83,6 +90,7 @@ __all__ = [
     "KernelUnavailableError",
     "LayerRow",
     "Mode",
+    "OriginalUnavailableError",
     "Policy",
     "PolicyError",
     "PolicyMismatchError",

@@ -113,7 +113,7 @@ def attach(model: M, *, attention_fallback: str | None = None) -> M:
     ``use_kernels=True``. A transformers model whose attention is a hub
     kernel (``attn_implementation="org/repo"``) gets it under the policy name
     ``attention``, falling back to ``attention_fallback`` (default ``sdpa``,
-    ``eager`` where the model has no sdpa; see ``_attention``). Idempotent;
+    ``eager`` where the model has no sdpa; see ``_transformers``). Idempotent;
     returns ``model``.
 
     >>> import torch, kernels, kernelpolicy
@@ -132,7 +132,7 @@ def attach(model: M, *, attention_fallback: str | None = None) -> M:
     for name, module in kernel_modules(model):
         _make_aware(module, name or None)
     if "transformers" in sys.modules:  # no transformers model exists unless it is imported
-        from ._attention import attach_attention
+        from ._transformers import attach_attention
 
         attach_attention(model, attention_fallback)
     return model
@@ -229,6 +229,11 @@ def _bind(module: nn.Module, assigned: Any, path: str | None) -> None:
             bound = assigned
             kernel = functools.wraps(bound)(lambda _module, *args, **kwargs: bound(*args, **kwargs))
     kernel_class, repository = _kernel_origin(kernel)
+    no_original = None
+    if getattr(getattr(original, "__code__", None), "co_name", None) == "_noop_forward":
+        from ._transformers import FUSED, fused_layout
+
+        no_original = FUSED if fused_layout(original) else None
     binding = Binding(
         module=module,
         path=path,
@@ -237,6 +242,7 @@ def _bind(module: nn.Module, assigned: Any, path: str | None) -> None:
         kernel=kernel,
         kernel_class=kernel_class,
         repository=repository,
+        no_original=no_original,
     )
     module.__dict__[BINDING] = binding
     module.__dict__["forward"] = make_forward(binding)

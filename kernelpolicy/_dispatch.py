@@ -68,7 +68,7 @@ from torch.compiler import is_dynamo_compiling as _is_dynamo
 from . import _state
 from ._active import DEFAULTS, PLAIN, RECORDERS, register_layer_name
 from ._compat import DYNAMO_DISABLE_MARK
-from ._errors import KernelMismatchError, KernelUnavailableError, unavailable_message
+from ._errors import KernelMismatchError, KernelUnavailableError, OriginalUnavailableError, unavailable_message
 from .distributed import _LOCAL_SHARDS, call_on_local_shards
 
 if TYPE_CHECKING:
@@ -147,6 +147,7 @@ class Binding:
         "layer_name",
         "module",
         "module_class",
+        "no_original",
         "original",
         "path",
         "repository",
@@ -162,12 +163,20 @@ class Binding:
         kernel: Callable[..., Any] | None,
         kernel_class: type | None,
         repository: str | None,
+        no_original: str | None = None,
     ) -> None:
         self.module = module
         self.path = path
         self.layer_name = layer_name
         register_layer_name(layer_name)
         self.module_class = _class_name(module)
+        #: Why the module has no original forward (a fused layout), or None; ``original`` then raises that.
+        self.no_original = no_original
+        if no_original is not None:
+
+            def original(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+                raise self.error(no_original)
+
         self.original = original
         self.kernel = kernel
         self.kernel_class = kernel_class
@@ -193,6 +202,8 @@ class Binding:
         )
         if reason == NO_KERNEL and self.dropped is not None:
             reason = f"{NO_KERNEL}: {self.dropped} was dropped when the module was pickled (kernelize after loading)"
+        if path == "original" and self.no_original is not None:
+            return "error", self.no_original
         return path, reason
 
     def slow(
@@ -311,9 +322,8 @@ class Binding:
         return out
 
     def error(self, reason: str) -> KernelUnavailableError:
-        return KernelUnavailableError(
-            path=self.path, layer_name=self.layer_name, module_class=self.module_class, reason=reason
-        )
+        cls = OriginalUnavailableError if reason == self.no_original else KernelUnavailableError
+        return cls(path=self.path, layer_name=self.layer_name, module_class=self.module_class, reason=reason)
 
     def _log_fallback(self, reason: str) -> None:
         self._log_once(reason, logging.INFO, f"falls back to its original forward: {reason}")

@@ -7,6 +7,8 @@
   another thread or context than it was entered in).
 - :class:`KernelUnavailableError` -- ``require`` asked for a kernel that cannot
   run for this call.
+- :class:`OriginalUnavailableError` -- the policy sends a layer that has no
+  original forward (a fused layout of transformers' kernel fusion) to it.
 - :class:`KernelMismatchError` -- ``verify`` found the kernel's output differs
   from the original forward's.
 - :class:`PolicyMismatchError` -- ``distributed.check_consistent`` found ranks of a process group
@@ -15,7 +17,14 @@
 
 from __future__ import annotations
 
-__all__ = ["KernelMismatchError", "KernelUnavailableError", "PolicyError", "PolicyMismatchError", "ScopeError"]
+__all__ = [
+    "KernelMismatchError",
+    "KernelUnavailableError",
+    "OriginalUnavailableError",
+    "PolicyError",
+    "PolicyMismatchError",
+    "ScopeError",
+]
 
 
 class PolicyError(ValueError):
@@ -46,6 +55,27 @@ class KernelUnavailableError(RuntimeError):
 
     def __reduce__(self) -> tuple[object, ...]:
         return (_rebuild_unavailable, (self.path, self.layer_name, self.module_class, self.reason))
+
+
+class OriginalUnavailableError(KernelUnavailableError):
+    """The policy asks for the original forward of a layer that has none (``disable``, or a kernel that cannot run).
+
+    A fused layout of transformers' kernel fusion (``KernelConfig`` with tuple
+    keys) holds the weights its kernel reads and no computation of its own.
+    Attributes as :class:`KernelUnavailableError`.
+    """
+
+    def __init__(self, *, path: str | None, layer_name: str, module_class: str, reason: str) -> None:
+        super().__init__(path=path, layer_name=layer_name, module_class=module_class, reason=reason)
+        where = f"module {path!r}" if path else "a module"
+        self.args = (f"no original forward for {where} ({module_class}, kernel layer {layer_name!r}): {reason}",)
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_rebuild_original, (self.path, self.layer_name, self.module_class, self.reason))
+
+
+def _rebuild_original(path: str | None, layer_name: str, module_class: str, reason: str) -> OriginalUnavailableError:
+    return OriginalUnavailableError(path=path, layer_name=layer_name, module_class=module_class, reason=reason)
 
 
 def unavailable_message(path: str | None, layer_name: str, module_class: str, reason: str) -> str:

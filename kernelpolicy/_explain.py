@@ -17,10 +17,10 @@ import torch
 from torch.compiler import is_dynamo_compiling as _is_dynamo
 
 from ._active import DEFAULTS, PLAIN, current_policy
-from ._attention import ATTENTION, ROW, hub_attention_of
 from ._binding import BINDING, binding_of, kernel_modules
 from ._dispatch import NO_SHARDING, Binding, has_dtensor
 from ._state import ExecutionState, execution_state
+from ._transformers import ATTENTION, ROW, hub_attention_of, lazily_loaded
 from .distributed import local_shard_layers
 
 if TYPE_CHECKING:
@@ -99,6 +99,8 @@ class Explanation:
     state: ExecutionState
     #: Entries of the policy in effect that name no kernel layer of the model (a typo shows up here).
     unmatched: tuple[str, ...] = ()
+    #: Hub kernels loaded in this process that no policy reaches (transformers' ``lazy_load_kernel``).
+    ungoverned: tuple[str, ...] = ()
 
     def __iter__(self) -> Iterator[LayerRow]:
         return iter(self.rows)
@@ -145,6 +147,11 @@ class Explanation:
             lines.append("  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip())
         if self.unmatched:
             lines.append(f"policy entries naming no kernel layer of this model: {', '.join(self.unmatched)}")
+        if self.ungoverned:
+            lines.append(
+                "hub kernels no policy reaches (loaded by transformers' lazy_load_kernel for quantized and MoE "
+                f"layers in this process): {', '.join(self.ungoverned)}"
+            )
         return "\n".join(lines)
 
 
@@ -222,7 +229,9 @@ def explain(model: nn.Module, *, calls: CallCounts | None = None) -> Explanation
             )
     present = {row.layer_name for row in rows}
     unmatched = tuple(f"{name}={mode}" for name, mode in sorted(policy.layers.items()) if name not in present)
-    return Explanation(rows=tuple(rows), policy=str(policy), state=state, unmatched=unmatched)
+    return Explanation(
+        rows=tuple(rows), policy=str(policy), state=state, unmatched=unmatched, ungoverned=lazily_loaded()
+    )
 
 
 def _row(

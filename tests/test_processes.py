@@ -30,7 +30,8 @@ def test_errors_pickle_with_their_attributes() -> None:
         max_rel=0.25,
         index=(0, 1),
     )
-    for error in (unavailable, mismatch):
+    original = kp.OriginalUnavailableError(path="mlp.up", layer_name="FusedUp", module_class="m.L", reason="fused")
+    for error in (unavailable, mismatch, original):
         copy = pickle.loads(pickle.dumps(error))
         assert type(copy) is type(error) and str(copy) == str(error)
         assert vars(copy) == vars(error)

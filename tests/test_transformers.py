@@ -188,3 +188,79 @@ def test_mamba2_function_kernel_with_package_fallback_obeys_the_policy(tmp_path:
     with kp.kernels_disabled():
         tokens = model.generate(ids, max_new_tokens=3, do_sample=False)
     assert torch.equal(tokens, model.generate(ids, max_new_tokens=3, do_sample=False))
+
+
+FUSED_UP_KERNEL = """
+import torch
+from torch import nn
+
+CALLS = [0]
+
+
+class FusedUp(nn.Module):
+    def forward(self, x):
+        CALLS[0] += 1
+        return self.up_proj(x)
+
+
+class FusedUpLayout(nn.Module):
+    def __init__(self, up_proj):
+        super().__init__()
+        self.up_proj = up_proj
+"""
+
+
+def test_a_fused_layout_has_no_original_and_says_so(tmp_path: Any) -> None:
+    """transformers' kernel fusion (``KernelConfig`` with a tuple key): the layout's forward is a no-op stub."""
+    import transformers
+    from transformers.integrations.hub_kernels import register_kernel_replacements_and_fusions
+    from transformers.monkey_patching import apply_patches, unregister_patch_mapping
+
+    from kernelpolicy.testing import write_kernel_repo
+
+    repo = write_kernel_repo(tmp_path / "repo", FUSED_UP_KERNEL, name="fused-up")
+    config = tiny_llama().config
+    kernel_config = transformers.KernelConfig(
+        {(("up", "model.layers.*.mlp.up_proj"),): f"{repo}:FusedUp"}, use_local_kernel=True
+    )
+    register_kernel_replacements_and_fusions(transformers.LlamaForCausalLM, config, kernel_config)
+    try:
+        with apply_patches():
+            torch.manual_seed(0)
+            model = transformers.LlamaForCausalLM(config).eval()
+    finally:
+        unregister_patch_mapping(["LlamaMLP"])
+    layer = kernels.LocalLayerRepository(repo_path=repo, layer_name="FusedUp")
+    with kernels.use_kernel_mapping({"FusedUp": {"cpu": layer}}):
+        kp.kernelize(model, mode="inference", device="cpu")
+    expected = tiny_llama()(IDS).logits  # the same weights, unfused
+    with kp.record_calls() as calls:
+        torch.testing.assert_close(model(IDS).logits, expected)  # prefer keeps the fused kernel
+    assert calls.by_layer()["FusedUp"] == {"kernel": 2}
+    for scope in (kp.kernels_disabled(), kp.kernel_policy(FusedUp="disable")):
+        with scope, pytest.raises(kp.OriginalUnavailableError) as info:
+            model(IDS)
+        assert str(info.value).startswith("no original forward for module 'model.layers.0.mlp.up_proj' (")
+        assert "FusedUpLayout, kernel layer 'FusedUp'): a layout of transformers' kernel fusion" in str(info.value)
+        assert "load the model without that KernelConfig entry" in str(info.value)
+    with kp.kernels_disabled():
+        rows = [row for row in kp.explain(model) if row.layer_name == "FusedUp"]
+    assert len(rows) == 2 and {row.path for row in rows} == {"error"}
+
+
+def test_lazily_loaded_kernels_are_listed_as_not_governed(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import ModuleType
+
+    from transformers.integrations import hub_kernels
+
+    from kernelpolicy.testing import write_kernel_repo
+
+    repo = write_kernel_repo(tmp_path / "fp8", "import torch\n", name="finegrained-fp8")
+    monkeypatch.setenv("LOCAL_KERNELS", f"kernels-community/finegrained-fp8={repo}")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setitem(hub_kernels._KERNEL_MODULE_MAPPING, "finegrained-fp8", None)  # removed again after
+    assert kp.explain(tiny_llama()).ungoverned == ()
+    assert isinstance(hub_kernels.lazy_load_kernel("finegrained-fp8"), ModuleType)  # as an fp8 layer loads it
+    explained = kp.explain(tiny_llama())
+    assert explained.ungoverned == ("finegrained-fp8 (kernels-community/finegrained-fp8)",)
+    assert "hub kernels no policy reaches (loaded by transformers' lazy_load_kernel" in str(explained)

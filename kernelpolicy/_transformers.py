@@ -1,10 +1,18 @@
-"""Hub attention kernels of transformers under the policy, as the kernel layer ``attention``.
+"""transformers' hub-kernel entry points beyond marked layers: what the policy reaches, and what it cannot.
 
-This module owns :class:`HubAttention` and :func:`attach_attention`, which
-:func:`kernelpolicy.attach` and :func:`kernelpolicy.kernelize` call for a
-transformers model whose ``config._attn_implementation`` is a hub kernel
-(``"org/repo[@revision][:function]"``, loaded by transformers'
-``load_and_register_attn_kernel``).
+Marked layers (``use_kernel_forward_from_hub``) and kernel functions
+(``use_kernelized_func``, ``use_kernel_func_from_hub_with_fallback``) are
+policy-aware modules like any other (``_binding``). This module owns the rest:
+
+- **Attention kernels** (:class:`HubAttention`, :func:`attach_attention`), as
+  the kernel layer ``attention``, which :func:`kernelpolicy.attach` and
+  :func:`kernelpolicy.kernelize` set up for a model whose
+  ``config._attn_implementation`` is a hub kernel (``"org/repo[@revision][:function]"``,
+  loaded by transformers' ``load_and_register_attn_kernel``).
+- **Lazily loaded kernels** (:func:`lazily_loaded`): those transformers' ``lazy_load_kernel``
+  loads for quantized and MoE layers, which no policy reaches; ``explain`` lists them.
+- **Fused layouts** (:func:`fused_layout`): a kernel fusion's layout class has no
+  original forward, so a policy that would run it raises instead of returning ``None``.
 
 transformers resolves attention by name at every call: each attention layer
 calls ``ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation)``
@@ -45,7 +53,15 @@ from ._errors import PolicyError
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-__all__ = ["ATTENTION", "HubAttention", "MaskPair", "attach_attention", "hub_attention_of"]
+__all__ = [
+    "ATTENTION",
+    "HubAttention",
+    "MaskPair",
+    "attach_attention",
+    "fused_layout",
+    "hub_attention_of",
+    "lazily_loaded",
+]
 
 #: The kernel layer name of attention kernels in policies: ``kernel_policy(attention="disable")``.
 ATTENTION: Final = "attention"
@@ -221,3 +237,40 @@ def hub_attention_of(model: nn.Module) -> tuple[str, HubAttention | None] | None
     hub = _HUB.get(name)
     attention, _ = _registries()
     return name, hub if hub is not None and attention._global_mapping.get(name) is hub else None
+
+
+def lazily_loaded() -> tuple[str, ...]:
+    """Hub kernels transformers' ``lazy_load_kernel`` has loaded in this process (no policy reaches them).
+
+    Each as ``"name (repo)"``; empty when transformers is not imported.
+    """
+    hub_kernels = sys.modules.get("transformers.integrations.hub_kernels")
+    loaded = getattr(hub_kernels, "_KERNEL_MODULE_MAPPING", {})
+    repos = getattr(hub_kernels, "_HUB_KERNEL_MAPPING", {})
+    return tuple(
+        f"{name} ({repos.get(name, {}).get('repo_id', 'a local package')})"
+        for name, module in sorted(loaded.items())
+        if isinstance(module, types.ModuleType)
+    )
+
+
+#: The reason of :class:`~kernelpolicy.OriginalUnavailableError` for a fused layout.
+FUSED: Final = (
+    "a layout of transformers' kernel fusion holds weights and no forward of its own (the fused children are "
+    "nn.Identity): keep its kernel (prefer or require), or load the model without that KernelConfig entry"
+)
+
+
+def fused_layout(original: Callable[..., Any]) -> bool:
+    """Whether ``original`` (a class's forward) is the no-op stub transformers gives a kernel's layout class.
+
+    ``register_kernel_replacements_and_fusions`` installs it on a ``<Kernel>Layout``
+    class without a forward of its own (fusions, ``KernelConfig`` tuple keys, and
+    stateful replacements): the layout only holds the weights the kernel reads.
+    """
+    code = getattr(original, "__code__", None)  # functools.wraps copies the kernel's names, not the code
+    return (
+        code is not None
+        and code.co_name == "_noop_forward"
+        and code.co_filename.replace("\\", "/").endswith("transformers/integrations/hub_kernels.py")
+    )
