@@ -14,6 +14,7 @@ import re
 import sys
 import threading
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -241,3 +242,24 @@ def test_an_eager_fallback_is_the_eager_model() -> None:
     expected = logits(build("qwen2", "eager"), PADDED)
     with kp.kernel_policy(attention="disable"):
         torch.testing.assert_close(logits(model, PADDED), expected, rtol=0, atol=0)
+
+
+def test_the_kernelpolicy_variable_reaches_attention(tmp_path: Any) -> None:
+    import os
+    import subprocess
+    import textwrap
+
+    code = textwrap.dedent(
+        f"""
+        import sys
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        import torch
+        from test_attention import build, calls_during, logits, IDS
+        model = build("llama", {KERNEL!r})
+        print(calls_during(lambda: logits(model, None))[0])
+        """
+    )
+    env = {**os.environ, "KERNELPOLICY": "prefer,attention=disable"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-1] == "0"
