@@ -43,7 +43,7 @@ def run_ranks(worker: Callable[..., None], *args: Any, nprocs: int = 2, deadline
     """
     import torch.multiprocessing as mp
 
-    context = mp.start_processes(worker, args=args, nprocs=nprocs, join=False, start_method="spawn")  # type: ignore[no-untyped-call]
+    context = mp.start_processes(worker, args=args, nprocs=nprocs, join=False, start_method="spawn")  # type: ignore[attr-defined,no-untyped-call]
     deadline = time.monotonic() + deadline_s
     try:
         while not context.join(timeout=5):
