@@ -173,15 +173,21 @@ def _kernels_mode(mode: Any) -> Any:
     return result
 
 
-def use_kernel_forward_from_hub(layer_name: str) -> Callable[[T], T]:
+def use_kernel_forward_from_hub(
+    layer_name: str, condition: Callable[[nn.Module], bool] | None = None
+) -> Callable[[T], T]:
     """Drop-in for ``kernels.use_kernel_forward_from_hub``: also policy-aware from the start.
 
     On a class, every instance (and every instance of a subclass) is
     policy-aware as soon as it is constructed, so ``require`` raises even
     before any kernelize. On a function, the returned ``Func`` module is.
+    ``condition`` is kernels' (>= 0.17): ``kernelize`` binds a kernel only to
+    the instances for which it returns True.
     """
     ensure_env()  # KERNELPOLICY holds from the first forward of a marked class
-    mark = _compat.kernels().use_kernel_forward_from_hub(layer_name)
+    mark = _compat.kernels().use_kernel_forward_from_hub(
+        layer_name, *_condition(condition, "use_kernel_forward_from_hub")
+    )
 
     def decorator(obj: T) -> T:
         marked = mark(obj)
@@ -199,8 +205,21 @@ def replace_kernel_forward_from_hub(
 ) -> None:
     """Drop-in for ``kernels.replace_kernel_forward_from_hub`` that also makes ``cls`` policy-aware."""
     ensure_env()
-    _compat.kernels().replace_kernel_forward_from_hub(cls, layer_name, condition)
+    _compat.kernels().replace_kernel_forward_from_hub(
+        cls, layer_name, *_condition(condition, "replace_kernel_forward_from_hub")
+    )
     _make_class_aware(cls)
+
+
+def _condition(condition: Callable[[nn.Module], bool] | None, what: str) -> tuple[Any, ...]:
+    """kernels' ``condition`` argument, passed only when given (kernels 0.16 has none)."""
+    if condition is None:
+        return ()
+    if "condition" not in inspect.signature(getattr(_compat.kernels(), what)).parameters:
+        from importlib.metadata import version
+
+        raise TypeError(f"{what}(condition=...) needs kernels >= 0.17 (installed: {version('kernels')})")
+    return (condition,)
 
 
 # --- making modules and classes aware ---------------------------------------------------------

@@ -350,3 +350,33 @@ def test_known_layers_and_unmatched_policy_entries(kernelized: Callable[..., Dem
     assert "RMSnorm" not in kp.known_layers()
     assert str(explanation).splitlines()[-1] == "policy entries naming no kernel layer of this model: RMSnorm=disable"
     assert kp.explain(model).unmatched == ()
+
+
+def test_condition_is_kernels_own_argument(tmp_path: Any) -> None:
+    """kernels >= 0.17 binds a kernel only where ``condition(module)`` holds; kernelpolicy passes it on."""
+    import importlib.metadata
+
+    from kernelpolicy.testing import rms_norm_kernel_source, write_kernel_repo
+
+    if importlib.metadata.version("kernels").startswith("0.16"):
+        with pytest.raises(TypeError, match=r"condition=...\) needs kernels >= 0.17 \(installed: 0\.16"):
+            kp.use_kernel_forward_from_hub("CondNorm", condition=lambda module: True)
+        return
+
+    @kp.use_kernel_forward_from_hub("CondNorm", condition=lambda module: module.weight.numel() > 8)
+    class CondNorm(torch.nn.Module):
+        def __init__(self, hidden: int) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(hidden))
+            self.variance_epsilon = 1e-6
+
+        def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+            return hidden_states * self.weight
+
+    repo = write_kernel_repo(tmp_path / "repo", rms_norm_kernel_source(class_name="CondNorm", offset=100.0))
+    model = torch.nn.Sequential(CondNorm(8), CondNorm(16))
+    layer = kernels.LocalLayerRepository(repo_path=repo, layer_name="CondNorm")
+    with kernels.use_kernel_mapping({"CondNorm": {"cpu": layer}}):
+        kp.kernelize(model, mode="inference", device="cpu")
+    assert [row.path for row in kp.explain(model)] == ["original", "kernel"]
+    assert model[1](torch.ones(2, 16)).min() > 50 and model[0](torch.ones(2, 8)).max() < 50
