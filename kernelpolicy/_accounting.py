@@ -32,6 +32,8 @@ __all__ = ["CallCounts", "record_calls"]
 class CallCounts:
     """Counts recorded by :func:`record_calls`, keyed by (module, layer name, path, reason)."""
 
+    __module__ = "kernelpolicy"  # the public name (see kernelpolicy/__init__.py)
+
     __slots__ = ("_counts", "_lock")
 
     def __init__(self) -> None:

@@ -126,7 +126,7 @@ def attach(model: M, *, attention_fallback: str | None = None) -> M:
     ...     model(torch.ones(1))
     Traceback (most recent call last):
     ...
-    kernelpolicy._errors.KernelUnavailableError: kernel required but unavailable for module '0' (...Double, kernel layer 'Double'): no kernel bound
+    kernelpolicy.KernelUnavailableError: kernel required but unavailable for module '0' (...Double, kernel layer 'Double'): no kernel bound
     """
     ensure_env()
     for name, module in kernel_modules(model):

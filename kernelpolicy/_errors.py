@@ -1,4 +1,4 @@
-"""The exceptions kernelpolicy raises, in one place.
+"""The exceptions kernelpolicy raises, in one place (each reports ``kernelpolicy`` as its module).
 
 - :class:`PolicyError` -- bad policy input, raised where the policy is written
   (a scope, ``set_default_policy``, ``Policy.parse``, the ``KERNELPOLICY``
@@ -30,13 +30,19 @@ __all__ = [
 class PolicyError(ValueError):
     """A malformed policy: unknown mode, bad layer name, bad syntax."""
 
+    __module__ = "kernelpolicy"
+
 
 class ScopeError(RuntimeError):
     """A policy scope was exited out of order or in another context."""
 
+    __module__ = "kernelpolicy"
+
 
 class PolicyMismatchError(RuntimeError):
     """The ranks of a process group disagree on the policy or on a layer's path (raised on every rank)."""
+
+    __module__ = "kernelpolicy"
 
 
 class KernelUnavailableError(RuntimeError):
@@ -45,6 +51,8 @@ class KernelUnavailableError(RuntimeError):
     Attributes name the module (its qualified path in the model when known),
     the kernel layer name, the module class and the reason.
     """
+
+    __module__ = "kernelpolicy"
 
     def __init__(self, *, path: str | None, layer_name: str, module_class: str, reason: str) -> None:
         self.path = path
@@ -64,6 +72,8 @@ class OriginalUnavailableError(KernelUnavailableError):
     keys) holds the weights its kernel reads and no computation of its own.
     Attributes as :class:`KernelUnavailableError`.
     """
+
+    __module__ = "kernelpolicy"
 
     def __init__(self, *, path: str | None, layer_name: str, module_class: str, reason: str) -> None:
         super().__init__(path=path, layer_name=layer_name, module_class=module_class, reason=reason)
@@ -96,6 +106,8 @@ class KernelMismatchError(AssertionError):
     and relative errors), ``index`` (the first mismatching element) and
     ``detail``.
     """
+
+    __module__ = "kernelpolicy"
 
     def __init__(
         self,

@@ -77,6 +77,8 @@ def will_use_kernel(module: nn.Module) -> bool:
 class LayerRow:
     """One kernel-capable module and the path its next call would take."""
 
+    __module__ = "kernelpolicy"  # the public name (see kernelpolicy/__init__.py)
+
     name: str
     layer_name: str
     module_class: str
@@ -93,6 +95,8 @@ class LayerRow:
 @dataclasses.dataclass(frozen=True)
 class Explanation:
     """The rows of :func:`explain`; ``str()`` renders an aligned table."""
+
+    __module__ = "kernelpolicy"  # the public name (see kernelpolicy/__init__.py)
 
     rows: tuple[LayerRow, ...]
     policy: str

@@ -156,6 +156,8 @@ class Policy:
     Policy('verify', atol=0.001)
     """
 
+    __module__ = "kernelpolicy"  # the public name (see kernelpolicy/__init__.py)
+
     __slots__ = ("_hash", "_key", "_modes")
 
     _key: _Key
@@ -232,7 +234,7 @@ class Policy:
         >>> Policy.parse("RMSNorm=fast")
         Traceback (most recent call last):
         ...
-        kernelpolicy._errors.PolicyError: policy 'RMSNorm=fast': unknown kernel policy mode 'fast' for layer 'RMSNorm'; valid modes are 'prefer', 'disable', 'require', 'verify'
+        kernelpolicy.PolicyError: policy 'RMSNorm=fast': unknown kernel policy mode 'fast' for layer 'RMSNorm'; valid modes are 'prefer', 'disable', 'require', 'verify'
         """
         shown = _shown(text)
         where = f"{source}={shown}" if source else f"policy {shown}"

@@ -106,6 +106,8 @@ class kernel_policy:  # noqa: N801 - lowercase like numpy.errstate and decimal.l
     :class:`~kernelpolicy.PolicyError` here, never later in a forward.
     """
 
+    __module__ = "kernelpolicy"  # the public name (see kernelpolicy/__init__.py)
+
     __slots__ = ("_cache", "_fixed", "_layers", "_mode", "_options", "_recorders", "_recording")
 
     def __init__(self, mode: Mode | Policy | None = None, /, **layers: Any) -> None:

@@ -27,6 +27,8 @@ _LIMIT_ERRORS = ("FailOnRecompileLimitHit", "RecompileLimitExceeded")
 class WarmupReport:
     """Graphs compiled by each policy's warm-up call, in call order (0: it reused a graph)."""
 
+    __module__ = "kernelpolicy"  # the public name (see kernelpolicy/__init__.py)
+
     compiles: tuple[tuple[Policy, int], ...]
 
     @property
