@@ -228,6 +228,8 @@ def test_a_fused_layout_has_no_original_and_says_so(tmp_path: Any) -> None:
         with apply_patches():
             torch.manual_seed(0)
             model = transformers.LlamaForCausalLM(config).eval()
+    except ModuleNotFoundError as error:  # transformers 5.17's apply_patches imports every model, aria's needs it
+        pytest.skip(f"transformers {transformers.__version__} cannot apply its patches here: {error}")
     finally:
         unregister_patch_mapping(["LlamaMLP"])
     layer = kernels.LocalLayerRepository(repo_path=repo, layer_name="FusedUp")
