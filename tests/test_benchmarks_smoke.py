@@ -24,6 +24,7 @@ def positive(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
+@pytest.mark.slow  # every benchmark section once
 def test_quick_run_writes_every_section(tmp_path: Path) -> None:
     out = tmp_path / "nested" / "quick.json"
     done = subprocess.run(

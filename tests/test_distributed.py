@@ -21,10 +21,12 @@ def _run(tmp_path: Path, case: str) -> list[str]:
     return [(tmp_path / f"rank{rank}.txt").read_text() for rank in range(2)]
 
 
+@pytest.mark.slow  # spawns 2 ranks
 def test_same_policy_and_paths_pass_on_every_rank(tmp_path: Path) -> None:
     assert _run(tmp_path, "same") == ["ok prefer,RMSNorm=disable"] * 2
 
 
+@pytest.mark.slow  # spawns 2 ranks
 def test_different_policies_raise_on_every_rank_naming_them(tmp_path: Path) -> None:
     outcomes = _run(tmp_path, "policies differ")
     for rank, outcome in enumerate(outcomes):
@@ -33,6 +35,7 @@ def test_different_policies_raise_on_every_rank_naming_them(tmp_path: Path) -> N
         assert "layer 'norm': rank 0: kernel (kernel usable), rank 1: original (disabled by policy)" in outcome
 
 
+@pytest.mark.slow  # spawns 2 ranks
 def test_a_kernel_missing_on_one_rank_shows_before_the_first_step(tmp_path: Path) -> None:
     outcomes = _run(tmp_path, "kernel missing on rank 1")
     for outcome in outcomes:
@@ -46,6 +49,7 @@ def test_without_a_process_group_it_says_what_is_missing() -> None:
             call()
 
 
+@pytest.mark.slow  # spawns 2 ranks
 def test_broadcast_policy_applies_the_source_ranks_policy_on_every_rank(tmp_path: Path) -> None:
     # rank 0 under require, rank 1 under disable,RMSNorm=prefer; both adopt rank 1's, then agree
     assert _run(tmp_path, "broadcast") == ["ok disable,RMSNorm=prefer"] * 2

@@ -122,6 +122,7 @@ def finite_positive(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
+@pytest.mark.slow  # the load test: a server subprocess and 120 requests
 def test_load_test_mixed_policies_no_leaks(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "loadtest.json"
     rc = main(["--requests", "40", "--concurrency", "8", "--timeout", "240", "--json", str(out)])
@@ -162,6 +163,7 @@ def test_load_test_mixed_policies_no_leaks(tmp_path: Path, capsys: pytest.Captur
     assert "**0** of 120" in printed and "Per-request policies / no policies" in printed
 
 
+@pytest.mark.slow  # the load test: a server subprocess and 120 requests
 def test_compiled_load_test_five_policies_no_leaks_no_compiles_after_warmup(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
