@@ -171,8 +171,9 @@ def explain(model: nn.Module, *, calls: CallCounts | None = None) -> Explanation
     ...     def forward(self, x):
     ...         return 2 * x
     >>> with kernelpolicy.kernel_policy(Double="require"):
-    ...     [(row.name, row.mode, row.path, row.reason) for row in kernelpolicy.explain(torch.nn.Sequential(Double()))]
-    [('0', 'require', 'error', 'no kernel bound')]
+    ...     row, = kernelpolicy.explain(torch.nn.Sequential(Double()))
+    >>> row.name, row.mode, row.path, row.reason
+    ('0', 'require', 'error', 'no kernel bound')
 
     Policy entries for layer names the model does not have are listed, so a
     misspelt name does not pass unnoticed:
