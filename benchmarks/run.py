@@ -66,6 +66,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON, metavar="PATH", help="where to write the results")
     parser.add_argument(
+        "--markdown",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="also write the printed report there (benchmarks/RESULTS.md is this report of a full run)",
+    )
+    parser.add_argument(
         "--threads",
         type=int,
         default=1,
@@ -162,17 +169,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         "kernelpolicy": _version("kernelpolicy"),
         "python": platform.python_version(),
     }
-    print(
+    report: list[str] = []
+
+    def say(text: str) -> None:
+        report.append(text)
+        print(text, end="", flush=True)
+
+    say(
         f"# kernelpolicy benchmarks: {now:%Y-%m-%d %H:%M:%S %Z}, torch {versions['torch']}, "
-        f"kernels {versions['kernels']}, Python {versions['python']}, command: `{command}`"
+        f"kernels {versions['kernels']}, Python {versions['python']}, command: `{command}`\n"
     )
     overhead = loop_overhead_ns(settings)
-    print(
+    say(
         f"\n{settings.rounds} interleaved rounds per group, samples of ~{settings.target_ns / 1e6:g} ms, "
         f"{settings.warmup} warm-up samples; torch threads {torch.get_num_threads()}, {os.cpu_count()} CPUs, "
         f"{platform.machine()}; empty timing loop {overhead:.1f} ns/iteration (included in every ns/call). "
-        "Ratios are medians of per-round ratios; times are noisy, ratios are the result.\n",
-        flush=True,
+        "Ratios are medians of per-round ratios; times are noisy, ratios are the result.\n\n"
     )
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="kernelpolicy-bench-") as tmp:
@@ -182,7 +194,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             section = SECTIONS[name](ctx)
             section.seconds = time.perf_counter() - section_start
             results[name] = section.as_json()
-            print(render_section(section), end="\n\n", flush=True)
+            say(render_section(section) + "\n\n")
     total = time.perf_counter() - started
     document = {
         "meta": {
@@ -207,7 +219,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     path: Path = args.json
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(document, indent=2, ensure_ascii=False) + "\n")
-    print(f"total {total:.1f} s; results written to {path}")
+    if args.markdown is not None:
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        args.markdown.write_text("".join(report).rstrip() + "\n")
+    print(f"total {total:.1f} s; results written to {path}" + (f" and {args.markdown}" if args.markdown else ""))
     return 0
 
 

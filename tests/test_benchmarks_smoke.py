@@ -27,8 +27,9 @@ def positive(value: Any) -> bool:
 @pytest.mark.slow  # every benchmark section once
 def test_quick_run_writes_every_section(tmp_path: Path) -> None:
     out = tmp_path / "nested" / "quick.json"
+    markdown = tmp_path / "RESULTS.md"
     done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.run", "--quick", "--json", str(out)],
+        [sys.executable, "-m", "benchmarks.run", "--quick", "--json", str(out), "--markdown", str(markdown)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -37,6 +38,7 @@ def test_quick_run_writes_every_section(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, f"stdout:\n{done.stdout[-4000:]}\nstderr:\n{done.stderr[-4000:]}"
 
+    assert markdown.read_text() == done.stdout[: done.stdout.index("total ")].rstrip() + "\n"  # the report, as printed
     header = done.stdout.splitlines()[0]
     assert "torch " in header and "kernels " in header and "Python " in header
     assert "python -m benchmarks.run --quick --json" in header
