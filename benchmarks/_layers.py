@@ -205,7 +205,7 @@ def noop_modules(repos: KernelRepos) -> dict[str, nn.Module]:
 
 def rms_norm_modules(repos: KernelRepos, hidden: int) -> dict[str, nn.Module]:
     """``RMSNorm(hidden)`` layers the ``eager_rmsnorm`` variants call, by role, and a never-kernelized original."""
-    from kernelpolicy._demo import RMSNorm
+    from kernelpolicy.testing import RMSNorm
 
     repo_plain = repos.rms_norm(can_torch_compile=False)
     return {

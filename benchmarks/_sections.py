@@ -257,7 +257,7 @@ def compiled(ctx: RunContext) -> Section:
     import kernels
     from torch._dynamo.utils import counters
 
-    from kernelpolicy._demo import DemoModel
+    from kernelpolicy.testing import DemoModel
 
     torch._dynamo.reset()
     counters.clear()

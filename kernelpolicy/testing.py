@@ -11,7 +11,9 @@ and CUDA builds of torch alike::
 CUDA build even without a GPU, and rejects a ``torch-cpu`` variant there; a
 ``torch-universal`` variant is accepted on every build.)
 
-and a ready RMSNorm kernel whose behaviour is observable: a module-level call
+the demo model (:class:`DemoModel`, built from :class:`RMSNorm` layers marked for
+the ``RMSNorm`` hub kernel, as transformers marks Llama's), and a ready RMSNorm
+kernel whose behaviour is observable: a module-level call
 counter (eager calls only, so that ``torch.compile`` does not guard on it) and
 an optional output offset (to see the path inside a compiled graph).
 
@@ -24,23 +26,29 @@ an optional output offset (to see the path inside a compiled graph).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import textwrap
 import uuid
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:
-    from pathlib import Path
+import torch
+from torch import nn
 
-    from torch import nn
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+    from pathlib import Path
 
 __all__ = [
     "FLASH_ATTENTION_EXPORTS",
     "VARIANT",
+    "DemoModel",
+    "RMSNorm",
     "custom_op_rms_norm_kernel_source",
     "flash_attention_kernel_source",
     "kernel_calls",
+    "kernelized_demo_model",
     "rms_norm_kernel_source",
     "tiny_llama",
     "write_kernel_repo",
@@ -264,3 +272,62 @@ def tiny_llama(seed: int = 0) -> Any:
     )
     model_class: Any = transformers.LlamaForCausalLM
     return model_class(config).eval()
+
+
+def _mark(layer_name: str) -> Any:
+    from ._compat import kernels
+
+    return kernels().use_kernel_forward_from_hub(layer_name)
+
+
+@_mark("RMSNorm")
+class RMSNorm(nn.Module):
+    """Llama's RMSNorm, marked for the ``RMSNorm`` hub kernel by ``kernels`` (as transformers does)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        out: torch.Tensor = self.weight * hidden_states.to(input_dtype)
+        return out
+
+
+class DemoModel(nn.Module):
+    """Linear -> RMSNorm -> SiLU -> Linear -> RMSNorm, twice."""
+
+    def __init__(self, hidden: int = 32, blocks: int = 2) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(hidden, hidden), RMSNorm(hidden), nn.SiLU(), nn.Linear(hidden, hidden))
+            for _ in range(blocks)
+        )
+        self.norm = RMSNorm(hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x)
+        out: torch.Tensor = self.norm(x)
+        return out
+
+
+@contextlib.contextmanager
+def kernelized_demo_model(
+    root: Path, *, can_torch_compile: bool = True, offset: float = 0.0, hidden: int = 32
+) -> Iterator[DemoModel]:
+    """A :class:`DemoModel` kernelized with a local RMSNorm kernel written under ``root``."""
+    import kernels
+
+    repo = write_kernel_repo(root, rms_norm_kernel_source(can_torch_compile=can_torch_compile, offset=offset))
+    mapping = {"RMSNorm": {"cpu": kernels.LocalLayerRepository(repo_path=repo, layer_name="RMSNorm")}}
+    model = DemoModel(hidden).eval()
+    with kernels.use_kernel_mapping(mapping):
+        from ._binding import kernelize
+
+        kernelize(model, mode="inference", device="cpu")
+    yield model

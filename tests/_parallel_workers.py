@@ -1,6 +1,6 @@
 """Training ranks for tests/test_parallel_training.py: importable by name in a spawned child.
 
-Each rank trains a kernelized :class:`~kernelpolicy._demo.DemoModel` (one block, hidden 16: two RMSNorm
+Each rank trains a kernelized :class:`~kernelpolicy.testing.DemoModel` (one block, hidden 16: two RMSNorm
 layers) for a few SGD steps under DDP or FSDP2 on a gloo group on 127.0.0.1, switching the kernel policy per
 step, and writes per step the policy, the paths ``record_calls()`` counted and its loss, then the final
 parameters, to ``rank<N>.json``. :func:`reference` computes the same training in one process without
@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 import kernelpolicy as kp
-from kernelpolicy._demo import DemoModel, RMSNorm
+from kernelpolicy.testing import DemoModel, RMSNorm
 
 if TYPE_CHECKING:
     from collections.abc import Callable

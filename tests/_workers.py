@@ -33,7 +33,7 @@ def distributed_worker(rank: int, world: int, port: int, out_dir: str, case: str
     import torch.distributed as dist
 
     import kernelpolicy.distributed
-    from kernelpolicy._demo import DemoModel
+    from kernelpolicy.testing import DemoModel
 
     init_group(rank, world, port)
     try:
@@ -79,7 +79,7 @@ def sequence_parallel_worker(rank: int, world: int, port: int, out_dir: str, rep
     from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
 
     import kernelpolicy.distributed
-    from kernelpolicy._demo import RMSNorm
+    from kernelpolicy.testing import RMSNorm
 
     init_group(rank, world, port)
     results: dict[str, object] = {}

@@ -11,8 +11,7 @@ import torch
 
 import kernelpolicy
 from kernelpolicy import _active, _policy
-from kernelpolicy._demo import DemoModel
-from kernelpolicy.testing import rms_norm_kernel_source, write_kernel_repo
+from kernelpolicy.testing import DemoModel, rms_norm_kernel_source, write_kernel_repo
 
 
 @pytest.fixture(autouse=True)

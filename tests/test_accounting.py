@@ -12,7 +12,7 @@ import torch
 
 import kernelpolicy as kp
 from kernelpolicy._active import DEFAULTS
-from kernelpolicy._demo import DemoModel
+from kernelpolicy.testing import DemoModel
 
 X = torch.randn(3, 16, generator=torch.Generator().manual_seed(8))
 

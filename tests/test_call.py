@@ -23,9 +23,8 @@ from torch import nn
 import kernelpolicy as kp
 from kernelpolicy import _binding
 from kernelpolicy._binding import _aware_call, binding_of
-from kernelpolicy._demo import DemoModel
 from kernelpolicy._doctor import _fast_call
-from kernelpolicy.testing import kernel_calls
+from kernelpolicy.testing import DemoModel, kernel_calls
 
 X = torch.randn(3, 16, generator=torch.Generator().manual_seed(5))
 

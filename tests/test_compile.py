@@ -23,8 +23,8 @@ from _helpers import graph_breaks, kernel_ran
 from torch import nn
 
 import kernelpolicy as kp
-from kernelpolicy._demo import DemoModel
 from kernelpolicy._doctor import doctor
+from kernelpolicy.testing import DemoModel
 
 X = torch.randn(2, 16, generator=torch.Generator().manual_seed(4))
 

@@ -14,8 +14,7 @@ import torch
 from _helpers import graph_breaks
 
 import kernelpolicy as kp
-from kernelpolicy._demo import DemoModel
-from kernelpolicy.testing import custom_op_rms_norm_kernel_source, write_kernel_repo
+from kernelpolicy.testing import DemoModel, custom_op_rms_norm_kernel_source, write_kernel_repo
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 

@@ -20,8 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 import kernelpolicy as kp
-from kernelpolicy._demo import RMSNorm
-from kernelpolicy.testing import custom_op_rms_norm_kernel_source, write_kernel_repo
+from kernelpolicy.testing import RMSNorm, custom_op_rms_norm_kernel_source, write_kernel_repo
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
 

@@ -36,8 +36,7 @@ import torch
 from torch import nn
 
 import kernelpolicy as kp
-from kernelpolicy._demo import DemoModel
-from kernelpolicy.testing import kernel_calls, write_kernel_repo
+from kernelpolicy.testing import DemoModel, kernel_calls, write_kernel_repo
 
 transformers = pytest.importorskip("transformers")
 

@@ -15,8 +15,7 @@ from torch import nn
 
 import kernelpolicy as kp
 from kernelpolicy._binding import binding_of
-from kernelpolicy._demo import DemoModel, RMSNorm
-from kernelpolicy.testing import kernel_calls
+from kernelpolicy.testing import DemoModel, RMSNorm, kernel_calls
 
 X = torch.randn(3, 16, generator=torch.Generator().manual_seed(1))
 
@@ -80,7 +79,7 @@ def test_require_without_kernel_names_module_layer_and_reason(mapping: Callable[
     err = info.value
     assert err.path == "blocks.0.1"
     assert err.layer_name == "RMSNorm"
-    assert err.module_class.endswith("_demo.RMSNorm")
+    assert err.module_class.endswith("testing.RMSNorm")
     assert err.reason == "no kernel bound"
     assert "'blocks.0.1'" in str(err)
     assert "'RMSNorm'" in str(err)

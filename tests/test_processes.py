@@ -220,8 +220,7 @@ def test_a_pickled_module_says_its_kernel_was_dropped(tmp_path: Any) -> None:
     import kernels
     import torch
 
-    from kernelpolicy._demo import DemoModel
-    from kernelpolicy.testing import rms_norm_kernel_source, write_kernel_repo
+    from kernelpolicy.testing import DemoModel, rms_norm_kernel_source, write_kernel_repo
 
     repo = write_kernel_repo(tmp_path / "repo", rms_norm_kernel_source(can_torch_compile=True, offset=100.0))
     model = DemoModel(16).eval()

@@ -15,7 +15,7 @@ import torch._dynamo
 from _helpers import graph_breaks, kernel_ran
 
 import kernelpolicy as kp
-from kernelpolicy._demo import DemoModel
+from kernelpolicy.testing import DemoModel
 
 X = torch.randn(3, 16, generator=torch.Generator().manual_seed(2))
 

@@ -14,8 +14,7 @@ import torch
 from torch import nn
 
 import kernelpolicy as kp
-from kernelpolicy._demo import DemoModel
-from kernelpolicy.testing import kernel_calls, rms_norm_kernel_source, write_kernel_repo
+from kernelpolicy.testing import DemoModel, kernel_calls, rms_norm_kernel_source, write_kernel_repo
 
 X = torch.randn(3, 16, generator=torch.Generator().manual_seed(5))
 
