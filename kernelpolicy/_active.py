@@ -39,8 +39,9 @@ __all__ = ["DEFAULTS", "Active", "activate", "current_policy", "ensure_env", "kn
 
 #: What ``active.modes`` holds for a mode while calls are recorded: a value the
 #: forward's fast exits do not know, so every call takes the slow path that records.
-RECORDING: dict[Mode, str] = {mode: f"{mode}+record" for mode in MODES}
-PLAIN: dict[str, Mode] = {f"{mode}+record": mode for mode in MODES}
+RECORDED: dict[Mode, str] = {mode: f"{mode}+record" for mode in MODES}
+#: The mode behind each of those entries.
+UNRECORDED: dict[str, Mode] = {f"{mode}+record": mode for mode in MODES}
 
 # Scopes. Unset means "no scope active in this context".
 _SCOPED: ContextVar[Active] = ContextVar("kernelpolicy.scoped")
@@ -64,7 +65,7 @@ class Active:
     """The policy in effect as a forward reads it (one interned object per policy and recording state).
 
     ``modes``: each known layer's mode, or its recording twin (see
-    :data:`RECORDING`) while ``record_calls()`` is active; read by eager
+    :data:`RECORDED`) while ``record_calls()`` is active; read by eager
     calls. ``kernel_on`` (the mode is not ``disable``) and ``required`` (it
     is ``require``): read under TorchDynamo, where they are all a traced
     program depends on, so policies that spell one program differently share
@@ -102,7 +103,7 @@ def _fill(active: Active, names: Iterable[str]) -> None:
     policy = active.policy
     for name in names:
         mode = policy.mode_for(name)
-        active.modes.__dict__.setdefault(name, RECORDING[mode] if active.recording else mode)
+        active.modes.__dict__.setdefault(name, RECORDED[mode] if active.recording else mode)
         active.kernel_on.__dict__.setdefault(name, mode != "disable")
         active.required.__dict__.setdefault(name, mode == "require")
 

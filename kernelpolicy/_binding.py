@@ -437,7 +437,7 @@ def _aware_members(cls: type[nn.Module]) -> dict[str, Any]:
         try:
             # The same table entry the eager forward reads, so recorded calls are counted here too.
             mode = getattr(DEFAULTS.active._current.modes, binding.layer_name)
-            return binding.slow(mode, args, kwargs, "jit")
+            return binding.slow_path(mode, args, kwargs, "jit")
         finally:
             if scope:
                 tracing_state.pop_scope()

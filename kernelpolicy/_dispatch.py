@@ -9,7 +9,7 @@ The closure reads the policy once (``DEFAULTS.active._current``, see
 cases: ``disable``; a usable kernel under ``prefer`` or ``require``; no
 kernel under ``prefer``. Everything else (``verify``, recorded calls, a
 tracer, a kernel without backward while training) goes to
-:meth:`Binding.slow`, which applies :func:`decide` and verifies, records,
+:meth:`Binding.slow_path`, which applies :func:`decide` and verifies, records,
 raises or logs. Nothing on the hot path allocates,
 logs, locks or calls ``ContextVar.get`` directly, so TorchDynamo traces it
 without a graph break and guards on the policy read.
@@ -66,7 +66,7 @@ import torch.fx._symbolic_trace as _fx  # noqa: F401 - read by the generated for
 from torch.compiler import is_dynamo_compiling as _is_dynamo
 
 from . import _state
-from ._active import DEFAULTS, PLAIN, RECORDERS, register_layer_name
+from ._active import DEFAULTS, RECORDERS, UNRECORDED, register_layer_name
 from ._compat import DYNAMO_DISABLE_MARK
 from ._errors import KernelMismatchError, KernelUnavailableError, OriginalUnavailableError, unavailable_message
 from .distributed import _LOCAL_SHARDS, call_on_local_shards
@@ -206,13 +206,13 @@ class Binding:
             return "error", self.no_original
         return path, reason
 
-    def slow(
+    def slow_path(
         self, mode: Mode, args: tuple[Any, ...], kwargs: dict[str, Any], state: ExecutionState | None = None
     ) -> Any:
         """Every call the fast exits of the forward closure do not take."""
-        recording = mode in PLAIN
+        recording = mode in UNRECORDED
         if recording:
-            mode = PLAIN[mode]
+            mode = UNRECORDED[mode]
         if state is None:
             state = _state.execution_state()
         path, reason = self.decide(mode, state)
@@ -261,7 +261,7 @@ class Binding:
         on the local shards instead, under every mode that asked for the kernel
         (``verify`` does not compare those calls: logged once). Anything else is
         the kernel's own error and propagates unchanged. ``mode`` is a plain
-        mode (the fast exits and :meth:`slow` strip recording); ``recorders``
+        mode (the fast exits and :meth:`slow_path` strip recording); ``recorders``
         count the path taken.
         """
         if not _no_sharding_strategy(error, (args, kwargs, self.module)):
@@ -524,7 +524,7 @@ def make_forward(binding: Binding) -> Callable[..., Any]:
     forward = _factory(variant, binding.original, binding.layer_name)(
         binding.original,
         binding.kernel,
-        binding.slow,
+        binding.slow_path,
         binding.unsupported,
         binding.has_backward,
         binding.can_torch_compile,

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch.compiler import is_dynamo_compiling as _is_dynamo
 
-from ._active import DEFAULTS, PLAIN, current_policy
+from ._active import DEFAULTS, UNRECORDED, current_policy
 from ._binding import BINDING, binding_of, kernel_modules
 from ._dispatch import NO_SHARDING, Binding, has_dtensor
 from ._state import ExecutionState, execution_state
@@ -70,7 +70,7 @@ def will_use_kernel(module: nn.Module) -> bool:
             and (binding.has_backward or not (module.training and torch.is_grad_enabled()))
         )
     entry = getattr(active.modes, binding.layer_name)
-    return binding.decide(PLAIN.get(entry, entry), execution_state())[0] == "kernel"
+    return binding.decide(UNRECORDED.get(entry, entry), execution_state())[0] == "kernel"
 
 
 @dataclasses.dataclass(frozen=True)

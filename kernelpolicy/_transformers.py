@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any, Final, NamedTuple
 from torch import nn
 from torch.compiler import is_dynamo_compiling as _is_dynamo
 
-from ._active import DEFAULTS, PLAIN
+from ._active import DEFAULTS, UNRECORDED
 from ._binding import _make_class_aware, binding_of
 from ._errors import PolicyError
 
@@ -123,7 +123,7 @@ class HubAttention(nn.Module):
         mask = self.kernel_mask(*args, **kwargs)
         if not _is_dynamo():
             entry = getattr(DEFAULTS.active._current.modes, ATTENTION)
-            if PLAIN.get(entry, entry) == "verify":
+            if UNRECORDED.get(entry, entry) == "verify":
                 return MaskPair(mask, ALL_MASK_ATTENTION_FUNCTIONS[self.fallback](*args, **kwargs))
         return mask
 
