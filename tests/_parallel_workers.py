@@ -9,7 +9,6 @@ kernels, adding the kernel's offset where the kernel is expected.
 
 from __future__ import annotations
 
-import datetime
 import faulthandler
 import gc
 import json
@@ -17,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from _workers import init_group
 from torch import nn
 
 import kernelpolicy as kp
@@ -114,13 +114,7 @@ def train_worker(rank: int, world: int, port: int, out_dir: str, case: str, repo
 
     faulthandler.dump_traceback_later(120, exit=True)  # a hung rank prints its stacks before the 150 s deadline
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=60),
-    )
+    init_group(rank, world, port)
     try:
         result = _train_case(rank, case, Path(repo))
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
