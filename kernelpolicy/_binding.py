@@ -239,6 +239,7 @@ def _make_aware(module: nn.Module, path: str | None) -> None:
 
 def _bind(module: nn.Module, assigned: Any, path: str | None) -> None:
     """Bind ``assigned`` (what was set as ``module.forward``) as the module's kernel."""
+    _skip_as_dynamo_frame()
     original = _class_forward(module)
     kernel: Callable[..., Any] | None = None
     if assigned is not None:
@@ -371,6 +372,28 @@ def _with_torch_globals(function: Callable[..., Any]) -> Callable[..., Any]:
 
 
 _aware_call = _with_torch_globals(_aware_call)
+
+
+_FRAME_SKIPPED = False
+
+
+def _skip_as_dynamo_frame() -> None:
+    """Have TorchDynamo skip ``_aware_call`` as a frame, as it skips ``nn.Module.__call__``.
+
+    A compiled region that resumes in eager code after a graph break converts the frames it then enters:
+    for a plain module it starts at ``forward``; at ``_aware_call`` it would trace the call path and its
+    hooks (FSDP2's pre-forward hook is ``torch._dynamo.disable``d: one more graph break). Skipping the
+    frame (``torch._dynamo.eval_frame.skip_code``; inlining in traced code is unaffected) restores torch's
+    behaviour. Done once Dynamo is imported, at the first binding after that (Dynamo takes over a second to
+    import, so kernelpolicy never imports it).
+    """
+    global _FRAME_SKIPPED
+    if _FRAME_SKIPPED:
+        return
+    skip = getattr(sys.modules.get("torch._dynamo.eval_frame"), "skip_code", None)
+    if skip is not None:
+        skip(_aware_call.__code__)
+        _FRAME_SKIPPED = True
 
 
 # The names ``nn.Module._wrapped_call_impl`` and ``_call_impl`` read in the
