@@ -27,13 +27,13 @@ updated by both runs.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["DEFAULT_TOLERANCES", "BufferState", "Mismatch", "clone_tensors", "compare", "tolerances"]
+__all__ = ["DEFAULT_TOLERANCES", "BufferState", "Mismatch", "clone_tensors", "compare", "map_tensors", "tolerances"]
 
 #: (rtol, atol) by dtype when the policy gives none; exact for integers and bool.
 DEFAULT_TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
@@ -62,18 +62,23 @@ def tolerances(dtype: torch.dtype, rtol: float | None, atol: float | None) -> tu
     return (default[0] if rtol is None else rtol, default[1] if atol is None else atol)
 
 
-def clone_tensors(value: Any) -> Any:
-    """``value`` with every tensor inside tuples, lists and dicts cloned."""
+def map_tensors(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """``value`` with ``fn`` applied to every tensor inside tuples (named ones kept), lists and dicts."""
     if isinstance(value, torch.Tensor):
-        return value.detach().clone()
+        return fn(value)
     if isinstance(value, tuple):
-        items = [clone_tensors(item) for item in value]
+        items = [map_tensors(item, fn) for item in value]
         return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
     if isinstance(value, list):
-        return [clone_tensors(item) for item in value]
+        return [map_tensors(item, fn) for item in value]
     if isinstance(value, dict):
-        return {key: clone_tensors(item) for key, item in value.items()}
+        return {key: map_tensors(item, fn) for key, item in value.items()}
     return value
+
+
+def clone_tensors(value: Any) -> Any:
+    """``value`` with every tensor inside tuples, lists and dicts cloned."""
+    return map_tensors(value, lambda tensor: tensor.detach().clone())
 
 
 class BufferState:

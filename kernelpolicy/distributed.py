@@ -151,14 +151,17 @@ def call_on_local_shards(
     """
     from torch.distributed.tensor import DTensor
 
-    first = next(t for t in _flat((args, kwargs)) if isinstance(t, DTensor))
+    from ._dispatch import _tensors
+    from ._verify import map_tensors
+
+    first = next(t for t in _tensors((args, kwargs)) if isinstance(t, DTensor))
     mesh, placements = first.device_mesh, first.placements
 
     def local(value: Any) -> Any:
-        return _map(value, lambda t: t.to_local() if isinstance(t, DTensor) else t)
+        return map_tensors(value, lambda t: t.to_local() if isinstance(t, DTensor) else t)
 
     out = kernel(_LocalView(module, DTensor), *local(args), **local(kwargs))
-    return _map(out, lambda t: DTensor.from_local(t, mesh, placements, run_check=False))
+    return map_tensors(out, lambda t: DTensor.from_local(t, mesh, placements, run_check=False))
 
 
 class _LocalView:
@@ -166,30 +169,10 @@ class _LocalView:
 
     __slots__ = ("_dtensor", "_module")
 
-    def __init__(self, module: nn.Module, dtensor: type) -> None:
-        object.__setattr__(self, "_module", module)
-        object.__setattr__(self, "_dtensor", dtensor)
+    def __init__(self, module: nn.Module, dtensor: Any) -> None:
+        self._module = module
+        self._dtensor = dtensor
 
     def __getattr__(self, name: str) -> Any:
         value = getattr(self._module, name)
         return value.to_local() if isinstance(value, self._dtensor) else value
-
-
-def _map(value: Any, fn: Callable[[Any], Any]) -> Any:
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        return fn(value)
-    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a named tuple
-        return type(value)(*(_map(item, fn) for item in value))
-    if isinstance(value, (tuple, list)):
-        return type(value)(_map(item, fn) for item in value)
-    if isinstance(value, dict):
-        return {key: _map(item, fn) for key, item in value.items()}
-    return value
-
-
-def _flat(value: Any) -> list[Any]:
-    found: list[Any] = []
-    _map(value, lambda t: found.append(t))
-    return found
