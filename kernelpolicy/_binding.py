@@ -250,7 +250,7 @@ def _bind(module: nn.Module, assigned: Any, path: str | None) -> None:
             kernel = functools.wraps(bound)(lambda _module, *args, **kwargs: bound(*args, **kwargs))
     kernel_class, repository = _kernel_origin(kernel)
     no_original = None
-    if getattr(getattr(original, "__code__", None), "co_name", None) == "_noop_forward":
+    if "transformers" in sys.modules:  # a fused layout exists only once transformers is imported
         from ._transformers import FUSED, fused_layout
 
         no_original = FUSED if fused_layout(original) else None
@@ -467,9 +467,7 @@ def _aware_members(cls: type[nn.Module]) -> dict[str, Any]:
 
     def __reduce_ex__(self: nn.Module, protocol: Any) -> Any:
         binding = binding_of(self)
-        dropped = None
-        if binding is not None and binding.kernel is not None:
-            dropped = binding.repository or f"{binding.kernel.__module__}.{binding.kernel.__qualname__}"
+        dropped = binding.kernel_name() if binding is not None else None
         return (_restore, (_original_class(self), _own_state(self), None, _path(self), dropped))
 
     def __deepcopy__(self: nn.Module, memo: dict[int, Any]) -> nn.Module:

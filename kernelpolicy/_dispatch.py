@@ -188,6 +188,16 @@ class Binding:
         #: The kernel this module had before it was pickled (pickling drops kernels), for ``explain``.
         self.dropped: str | None = None
 
+    def kernel_name(self) -> str | None:
+        """The bound kernel as ``explain`` shows it: its repository and layer when known, else its class; None without."""
+        if self.kernel is None:
+            return None
+        if self.repository is not None:
+            return self.repository
+        if self.kernel_class is not None:
+            return f"{self.kernel_class.__module__}.{self.kernel_class.__qualname__}"
+        return str(getattr(self.kernel, "__qualname__", self.kernel))
+
     def needs_backward(self) -> bool:
         return self.module.training and torch.is_grad_enabled()
 

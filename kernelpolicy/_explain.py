@@ -243,13 +243,11 @@ def _row(
     name: str, binding: Binding, mode: Mode, state: ExecutionState, recorded: dict[str, dict[str, int]] | None
 ) -> LayerRow:
     path, reason = _on_dtensor(binding, mode, *binding.decide(mode, state))
-    kernel = binding.kernel
-    kernel_name = binding.repository or _kernel_name(binding.kernel_class, kernel)
     return LayerRow(
         name=name,
         layer_name=binding.layer_name,
         module_class=binding.module_class,
-        kernel=kernel_name if kernel is not None else None,
+        kernel=binding.kernel_name(),
         can_torch_compile=binding.can_torch_compile,
         has_backward=binding.has_backward,
         mode=mode,
@@ -262,18 +260,15 @@ def _row(
 
 def _on_dtensor(binding: Binding, mode: Mode, path: Path, reason: str) -> tuple[Path, str]:
     """The row of a kernel layer that has met DTensor arguments or parameters (see ``Binding.unsupported``)."""
-    if path != "kernel" or (binding.dtensor_failure is None and not has_dtensor(binding.module)):
+    if path != "kernel":
+        return path, reason
+    parameters = has_dtensor(binding.module)
+    if binding.dtensor_failure is None and not parameters:
         return path, reason
     if binding.layer_name in local_shard_layers():
         return path, f"{reason}; on DTensor without a sharding strategy it runs on local shards"
     if binding.dtensor_failure is None:
         return path, f"{reason} if its op has a sharding strategy for these DTensor parameters"
-    if has_dtensor(binding.module):
+    if parameters:
         return ("error" if mode == "require" else "original"), f"{NO_SHARDING}: {binding.dtensor_failure}"
     return path, f"{reason} on plain tensors; on DTensor inputs: {NO_SHARDING}"
-
-
-def _kernel_name(kernel_class: type | None, kernel: object) -> str:
-    if kernel_class is not None:
-        return f"{kernel_class.__module__}.{kernel_class.__qualname__}"
-    return str(getattr(kernel, "__qualname__", kernel))
