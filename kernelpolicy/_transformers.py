@@ -96,36 +96,36 @@ class HubAttention(nn.Module):
         self.function = function
         self.kernel_mask = mask
         self.fallback = fallback
-        #: transformers' registry of attention functions (``AttentionInterface._global_mapping``).
-        self.registered: dict[str, Any] = _registries()[0]._global_mapping
+        #: transformers' ``ALL_ATTENTION_FUNCTIONS`` and ``ALL_MASK_ATTENTION_FUNCTIONS``.
+        self.attention_functions, self.mask_functions = _registries()
 
     def forward(
         self, module: nn.Module, query: Any, key: Any, value: Any, attention_mask: Any, *args: Any, **kwargs: Any
     ) -> Any:
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
         if isinstance(attention_mask, MaskPair):
             attention_mask = attention_mask.fallback
         if self.fallback == "eager":  # not registered: each modeling file has its own, as the layer's default
             function = getattr(sys.modules[type(module).__module__], "eager_attention_forward")  # noqa: B009
         else:
-            function = ALL_ATTENTION_FUNCTIONS[self.fallback]
+            function = self.attention_functions[self.fallback]
         return function(module, query, key, value, attention_mask, *args, **kwargs)
 
     def build_mask(self, *args: Any, **kwargs: Any) -> Any:
         """The mask builder registered under the kernel's name: the kernel's or the fallback's, as the call will go."""
-        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
-
         from ._explain import will_use_kernel
 
         if not will_use_kernel(self):
-            return ALL_MASK_ATTENTION_FUNCTIONS[self.fallback](*args, **kwargs)
+            return self.mask_functions[self.fallback](*args, **kwargs)
         mask = self.kernel_mask(*args, **kwargs)
         if not _is_dynamo():
             entry = getattr(DEFAULTS.active._current.modes, ATTENTION)
             if UNRECORDED.get(entry, entry) == "verify":
-                return MaskPair(mask, ALL_MASK_ATTENTION_FUNCTIONS[self.fallback](*args, **kwargs))
+                return MaskPair(mask, self.mask_functions[self.fallback](*args, **kwargs))
         return mask
+
+    def registered(self) -> bool:
+        """Whether transformers' attention registry still holds this module under its name (the mask builder goes with it)."""
+        return self.attention_functions._global_mapping.get(self.name) is self
 
     def extra_repr(self) -> str:
         return f"{self.name!r}, fallback={self.fallback!r}"
@@ -152,7 +152,7 @@ class _HubKernel:
         if isinstance(attention_mask, MaskPair):
             attention_mask = attention_mask.kernel
         out = self.function(module, query, key, value, attention_mask, *args, **kwargs)
-        if not _is_dynamo() and self.registered.get(self.name) is not self:
+        if not _is_dynamo() and not self.registered():
             # transformers keeps one flash implementation loaded: a call under another kernel name in
             # between reloads this one and registers its raw function again (lazy_import_flash_attention)
             _register(self)
@@ -198,14 +198,14 @@ def attach_attention(model: nn.Module, fallback: str | None = None) -> HubAttent
         raise PolicyError(f"unknown attention fallback {fallback!r}; valid ones are {', '.join(map(repr, valid))}")
     with _LOCK:
         hub = _HUB.get(name)
-        current = attention._global_mapping.get(name)
-        if hub is not None and current is hub:
+        if hub is not None and hub.registered():
             if hub.fallback != fallback:
                 raise PolicyError(
                     f"the attention kernel {name!r} already falls back to {hub.fallback!r}, not {fallback!r} "
                     "(one fallback per kernel name in a process, as transformers registers one function per name)"
                 )
             return hub
+        current = attention._global_mapping.get(name)
         if current is None:
             raise PolicyError(
                 f"the attention kernel {name!r} is not registered in transformers' ALL_ATTENTION_FUNCTIONS"
@@ -222,9 +222,8 @@ def attach_attention(model: nn.Module, fallback: str | None = None) -> HubAttent
 
 
 def _register(hub: HubAttention) -> None:
-    attention, masks = _registries()
-    attention.register(hub.name, hub)
-    masks.register(hub.name, hub.build_mask)
+    hub.attention_functions.register(hub.name, hub)
+    hub.mask_functions.register(hub.name, hub.build_mask)
 
 
 def hub_attention_of(model: nn.Module) -> tuple[str, HubAttention | None] | None:
@@ -235,8 +234,7 @@ def hub_attention_of(model: nn.Module) -> tuple[str, HubAttention | None] | None
     if name is None:
         return None
     hub = _HUB.get(name)
-    attention, _ = _registries()
-    return name, hub if hub is not None and attention._global_mapping.get(name) is hub else None
+    return name, hub if hub is not None and hub.registered() else None
 
 
 def lazily_loaded() -> tuple[str, ...]:
