@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from _helpers import free_port
 from torch import nn
 
 import kernelpolicy as kp
@@ -31,11 +31,12 @@ LAYERS = custom_op_rms_norm_kernel_source("kp_dtensor::rms_norm")
 def mesh() -> Iterator[Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1, timeout=datetime.timedelta(seconds=30)
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{free_port()}",
+        rank=0,
+        world_size=1,
+        timeout=datetime.timedelta(seconds=30),
     )
     try:
         yield init_device_mesh("cpu", (1,))
@@ -216,7 +217,7 @@ def sequence_parallel(repo: Path, tmp_path_factory: pytest.TempPathFactory) -> l
     """What each of 2 ranks saw: a kernelized RMSNorm under ``SequenceParallel``, every policy (one spawn)."""
     import json
 
-    from _helpers import free_port, run_ranks
+    from _helpers import run_ranks
     from _workers import sequence_parallel_worker
 
     out = tmp_path_factory.mktemp("sequence_parallel")
