@@ -32,7 +32,7 @@ from ._errors import (
     PolicyMismatchError,
     ScopeError,
 )
-from ._policy import ENV_VAR, MODES, Mode, Policy
+from ._policy import ENV_VAR, MODES, Policy, PolicyMode
 from ._processes import child_env, worker_init_fn
 from ._scope import kernel_policy, kernels_disabled, propagate, set_default_policy
 
@@ -68,6 +68,16 @@ _LAZY = {
 
 
 def __getattr__(name: str) -> Any:
+    if name == "Mode":  # the name until 0.1.0's renaming; it read as kernels.Mode
+        import warnings
+
+        warnings.warn(
+            "kernelpolicy.Mode is now kernelpolicy.PolicyMode ('prefer', 'disable', 'require', 'verify'); "
+            "kernelize's mode= takes kernels.Mode",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return PolicyMode
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'kernelpolicy' has no attribute {name!r}")
@@ -89,11 +99,11 @@ __all__ = [
     "KernelMismatchError",
     "KernelUnavailableError",
     "LayerRow",
-    "Mode",
     "OriginalUnavailableError",
     "Policy",
     "PolicyError",
     "PolicyMismatchError",
+    "PolicyMode",
     "ScopeError",
     "WarmupReport",
     "attach",

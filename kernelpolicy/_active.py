@@ -30,7 +30,7 @@ import weakref
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, final
 
-from ._policy import BUILTIN, ENV_VAR, MODES, Mode, Policy
+from ._policy import BUILTIN, ENV_VAR, MODES, Policy, PolicyMode
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -39,9 +39,9 @@ __all__ = ["DEFAULTS", "Active", "activate", "current_policy", "ensure_env", "kn
 
 #: What ``active.modes`` holds for a mode while calls are recorded: a value the
 #: forward's fast exits do not know, so every call takes the slow path that records.
-RECORDED: dict[Mode, str] = {mode: f"{mode}+record" for mode in MODES}
+RECORDED: dict[PolicyMode, str] = {mode: f"{mode}+record" for mode in MODES}
 #: The mode behind each of those entries.
-UNRECORDED: dict[str, Mode] = {f"{mode}+record": mode for mode in MODES}
+UNRECORDED: dict[str, PolicyMode] = {f"{mode}+record": mode for mode in MODES}
 
 # Scopes. Unset means "no scope active in this context".
 _SCOPED: ContextVar[Active] = ContextVar("kernelpolicy.scoped")

@@ -59,6 +59,9 @@ from ._dispatch import Binding, make_forward
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
 
+    from kernels import KernelizeFallback
+    from kernels import Mode as KernelsMode
+
 __all__ = [
     "attach",
     "binding_of",
@@ -141,14 +144,15 @@ def attach(model: M, *, attention_fallback: str | None = None) -> M:
 def kernelize(
     model: M,
     *,
-    mode: Any,
+    mode: KernelsMode | str,
     device: str | torch.device | None = None,
-    use_fallback: Any = True,
+    use_fallback: bool | KernelizeFallback = True,
     attention_fallback: str | None = None,
 ) -> M:
     """``kernels.kernelize`` with the same arguments, then :func:`attach` (with ``attention_fallback``).
 
-    ``mode`` is a ``kernels.Mode`` or a string such as ``"inference"`` or
+    ``mode`` is kernels' (which kernel variants to bind), not a policy mode:
+    a ``kernels.Mode`` or a string such as ``"inference"`` or
     ``"training|torch_compile"``.
     """
     kernels = _compat.kernels()
@@ -156,7 +160,7 @@ def kernelize(
     return attach(model, attention_fallback=attention_fallback)
 
 
-def _kernels_mode(mode: Any) -> Any:
+def _kernels_mode(mode: object) -> KernelsMode:
     Mode = _compat.kernels().Mode  # noqa: N806 - the kernels class
 
     if isinstance(mode, Mode):

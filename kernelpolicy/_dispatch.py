@@ -76,7 +76,7 @@ if TYPE_CHECKING:
 
     from torch import nn
 
-    from ._policy import Mode
+    from ._policy import PolicyMode
     from ._state import ExecutionState
 
 __all__ = ["Binding", "Path", "decide", "make_forward"]
@@ -99,7 +99,7 @@ NO_BACKWARD: Final = "kernel has no backward (has_backward = False) and the modu
 
 
 def decide(
-    mode: Mode,
+    mode: PolicyMode,
     *,
     has_kernel: bool,
     can_torch_compile: bool,
@@ -201,7 +201,7 @@ class Binding:
     def needs_backward(self) -> bool:
         return self.module.training and torch.is_grad_enabled()
 
-    def decide(self, mode: Mode, state: ExecutionState) -> tuple[Path, str]:
+    def decide(self, mode: PolicyMode, state: ExecutionState) -> tuple[Path, str]:
         path, reason = decide(
             mode,
             has_kernel=self.kernel is not None,
@@ -217,7 +217,7 @@ class Binding:
         return path, reason
 
     def slow_path(
-        self, mode: Mode, args: tuple[Any, ...], kwargs: dict[str, Any], state: ExecutionState | None = None
+        self, mode: PolicyMode, args: tuple[Any, ...], kwargs: dict[str, Any], state: ExecutionState | None = None
     ) -> Any:
         """Every call the fast exits of the forward closure do not take."""
         recording = mode in UNRECORDED

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
     from ._accounting import CallCounts
     from ._dispatch import Path
-    from ._policy import Mode
+    from ._policy import PolicyMode
 
 __all__ = ["Explanation", "LayerRow", "explain", "will_use_kernel"]
 
@@ -85,7 +85,7 @@ class LayerRow:
     kernel: str | None
     can_torch_compile: bool
     has_backward: bool
-    mode: Mode
+    mode: PolicyMode
     path: Path
     reason: str
     policy_aware: bool
@@ -240,7 +240,7 @@ def explain(model: nn.Module, *, calls: CallCounts | None = None) -> Explanation
 
 
 def _row(
-    name: str, binding: Binding, mode: Mode, state: ExecutionState, recorded: dict[str, dict[str, int]] | None
+    name: str, binding: Binding, mode: PolicyMode, state: ExecutionState, recorded: dict[str, dict[str, int]] | None
 ) -> LayerRow:
     path, reason = _on_dtensor(binding, mode, *binding.decide(mode, state))
     return LayerRow(
@@ -258,7 +258,7 @@ def _row(
     )
 
 
-def _on_dtensor(binding: Binding, mode: Mode, path: Path, reason: str) -> tuple[Path, str]:
+def _on_dtensor(binding: Binding, mode: PolicyMode, path: Path, reason: str) -> tuple[Path, str]:
     """The row of a kernel layer that has met DTensor arguments or parameters (see ``Binding.unsupported``)."""
     if path != "kernel":
         return path, reason

@@ -23,11 +23,13 @@ from ._errors import PolicyError
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
-__all__ = ["ENV_VAR", "MODES", "Mode", "Policy"]
+__all__ = ["ENV_VAR", "MODES", "Policy", "PolicyMode"]
 
-Mode = Literal["prefer", "disable", "require", "verify"]
-#: The valid modes, in the order error messages list them.
-MODES: tuple[Mode, ...] = ("prefer", "disable", "require", "verify")
+PolicyMode = Literal["prefer", "disable", "require", "verify"]
+"""What a policy says for a layer. Not ``kernels.Mode``, the flags that
+``kernelize(mode=...)`` takes (inference, training, torch_compile)."""
+MODES: tuple[PolicyMode, ...] = ("prefer", "disable", "require", "verify")
+"""The policy modes, in the order error messages list them."""
 OnMismatch = Literal["raise", "warn"]
 #: Keyword arguments of a policy that are options of ``verify``, not layer names.
 VERIFY_OPTIONS = ("atol", "rtol", "on_mismatch")
@@ -51,8 +53,8 @@ NO_OPTIONS = VerifyOptions()
 class _Key(NamedTuple):
     """What a policy is: equality, hashing and pickling use exactly this."""
 
-    default: Mode
-    layers: tuple[tuple[str, Mode], ...]  # sorted by name; entries equal to the default dropped
+    default: PolicyMode
+    layers: tuple[tuple[str, PolicyMode], ...]  # sorted by name; entries equal to the default dropped
     options: VerifyOptions
 
 
@@ -67,7 +69,7 @@ def _shown(text: object) -> str:
     return repr(text)
 
 
-def check_mode(value: object, what: str) -> Mode:
+def check_mode(value: object, what: str) -> PolicyMode:
     """Return ``value`` as a canonical mode or raise :class:`PolicyError` naming it."""
     if isinstance(value, str):
         for mode in MODES:
@@ -161,20 +163,20 @@ class Policy:
     __slots__ = ("_hash", "_key", "_modes")
 
     _key: _Key
-    _modes: dict[str, Mode]
+    _modes: dict[str, PolicyMode]
     _hash: int
 
-    def __new__(cls, default: Mode = "prefer", /, **layers: Any) -> Policy:
+    def __new__(cls, default: PolicyMode = "prefer", /, **layers: Any) -> Policy:
         modes, options = split_options(layers)
         return _make(check_mode(default, "the default"), modes, _options(NO_OPTIONS, options))
 
     @property
-    def default(self) -> Mode:
+    def default(self) -> PolicyMode:
         """The mode of every layer this policy does not name."""
         return self._key.default
 
     @property
-    def layers(self) -> Mapping[str, Mode]:
+    def layers(self) -> Mapping[str, PolicyMode]:
         """The per-layer modes that differ from :attr:`default` (read-only)."""
         return MappingProxyType(self._modes)
 
@@ -198,12 +200,12 @@ class Policy:
         """What ``verify`` does on a mismatch: ``"raise"`` or ``"warn"``."""
         return self._key.options.on_mismatch
 
-    def mode_for(self, layer_name: str) -> Mode:
+    def mode_for(self, layer_name: str) -> PolicyMode:
         """The mode for layers marked with kernel layer name ``layer_name``."""
         return self._modes.get(layer_name, self._key.default)
 
     def overlay(
-        self, default: Mode | None, layers: Mapping[str, Mode], options: Mapping[str, object] | None = None
+        self, default: PolicyMode | None, layers: Mapping[str, PolicyMode], options: Mapping[str, object] | None = None
     ) -> Policy:
         """This policy with what ``default``, ``layers`` and verify ``options`` name replaced.
 
@@ -240,8 +242,8 @@ class Policy:
         where = f"{source}={shown}" if source else f"policy {shown}"
         if not isinstance(text, str):
             raise PolicyError(f"{where}: a policy must be given as a string, got {type(text).__name__}")
-        default: Mode | None = None
-        layers: dict[str, Mode] = {}
+        default: PolicyMode | None = None
+        layers: dict[str, PolicyMode] = {}
         options: dict[str, object] = {}
         tokens = text.split(",")
         for position, raw in enumerate(tokens, start=1):
@@ -310,8 +312,8 @@ def _options(base: VerifyOptions, options: Mapping[str, object]) -> VerifyOption
     return base._replace(**options) if options else base  # type: ignore[arg-type]  # checked by check_verify_options
 
 
-def _make(default: Mode, layers: Mapping[str, object], options: VerifyOptions = NO_OPTIONS) -> Policy:
-    modes: dict[str, Mode] = {}
+def _make(default: PolicyMode, layers: Mapping[str, object], options: VerifyOptions = NO_OPTIONS) -> Policy:
+    modes: dict[str, PolicyMode] = {}
     for name, mode in sorted(layers.items()):
         checked = check_mode(mode, f"layer {_shown(check_layer_name(name))}")
         if checked != default:

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar, cast, final
 
 from ._active import _SCOPED, DEFAULTS, RECORDERS, Active, activate, ensure_env
 from ._errors import PolicyError, ScopeError
-from ._policy import BUILTIN, Mode, Policy, check_layer_name, check_mode, split_options
+from ._policy import BUILTIN, Policy, PolicyMode, check_layer_name, check_mode, split_options
 
 if TYPE_CHECKING:
     from collections.abc import AsyncGenerator, Awaitable, Callable, Generator, Mapping
@@ -65,7 +65,7 @@ _CACHE_LIMIT = 64
 
 def _validated(
     mode: object, arguments: Mapping[str, object]
-) -> tuple[Policy | None, Mode | None, dict[str, Mode], dict[str, object]]:
+) -> tuple[Policy | None, PolicyMode | None, dict[str, PolicyMode], dict[str, object]]:
     """Check scope arguments eagerly; return (fixed policy, default mode, layer modes, verify options)."""
     layers, options = split_options(arguments)
     checked = {check_layer_name(name): check_mode(value, f"layer {name!r}") for name, value in layers.items()}
@@ -110,7 +110,7 @@ class kernel_policy:  # noqa: N801 - lowercase like numpy.errstate and decimal.l
 
     __slots__ = ("_cache", "_fixed", "_layers", "_mode", "_options", "_recorders", "_recording")
 
-    def __init__(self, mode: Mode | Policy | None = None, /, **layers: Any) -> None:
+    def __init__(self, mode: PolicyMode | Policy | None = None, /, **layers: Any) -> None:
         self._fixed, self._mode, self._layers, self._options = _validated(mode, layers)
         self._cache: dict[Active, Active] = {}
         # Internal (record_calls, propagate): switch recording, install recorders.
@@ -313,11 +313,11 @@ def kernels_disabled(*layer_names: str) -> kernel_policy:
         if name in seen:
             raise PolicyError(f"layer {name!r} named twice")
         seen.add(name)
-    disable: Mode = "disable"
+    disable: PolicyMode = "disable"
     return kernel_policy(**dict.fromkeys(layer_names, disable))
 
 
-def set_default_policy(mode: Mode | Policy | None = None, /, **layers: Any) -> Policy:
+def set_default_policy(mode: PolicyMode | Policy | None = None, /, **layers: Any) -> Policy:
     """Set the process-wide policy seen where no scope is active; return the previous one.
 
     Arguments are those of :class:`kernel_policy` and layer over the

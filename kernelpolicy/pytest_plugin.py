@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, cast
 import pytest
 
 import kernelpolicy as _kernelpolicy
-from kernelpolicy import Mode, Policy, PolicyError, current_policy, kernel_policy
+from kernelpolicy import Policy, PolicyError, PolicyMode, current_policy, kernel_policy
 
 if TYPE_CHECKING:
     from collections.abc import Generator, Mapping
@@ -99,14 +99,14 @@ def scope_from_text(text: str, source: str) -> kernel_policy:
     'prefer,RMSNorm=disable'
     """
     Policy.parse(text, source=source)
-    mode: Mode | None = None
+    mode: PolicyMode | None = None
     entries: dict[str, str] = {}
     for token in text.split(","):
         name, equals, value = (part.strip() for part in token.partition("="))
         if equals:
             entries[name] = value
         else:
-            mode = cast("Mode", name)
+            mode = cast("PolicyMode", name)
     return kernel_policy(mode, **entries)
 
 

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import kernelpolicy as kp
-from kernelpolicy._binding import binding_of
+from kernelpolicy._binding import _kernels_mode, binding_of
 from kernelpolicy.testing import DemoModel, RMSNorm, kernel_calls
 
 X = torch.randn(3, 16, generator=torch.Generator().manual_seed(1))
@@ -379,3 +379,28 @@ def test_condition_is_kernels_own_argument(tmp_path: Any) -> None:
         kp.kernelize(model, mode="inference", device="cpu")
     assert [row.path for row in kp.explain(model)] == ["original", "kernel"]
     assert model[1](torch.ones(2, 16)).min() > 50 and model[0](torch.ones(2, 8)).max() < 50
+
+
+@pytest.mark.parametrize(
+    ("mode", "bad"),
+    [("fast", "'fast'"), ("inference|fallback", "'fallback'"), ("", "''"), (4, "4"), (None, "None")],
+)
+def test_kernelize_names_a_bad_kernels_mode_and_the_valid_ones(mode: Any, bad: str) -> None:
+    model = DemoModel()
+    with pytest.raises(ValueError, match="unknown kernelize mode") as info:
+        kp.kernelize(model, mode=mode, device="cpu")
+    bad_part, valid = str(info.value).rsplit(";", 1)
+    assert bad in bad_part
+    assert valid.endswith(" 'training', 'inference', 'torch_compile'")  # not FALLBACK: kernelize sets it
+    assert binding_of(model.norm) is None  # nothing was bound
+
+
+@pytest.mark.parametrize(
+    "mode",
+    [kernels.Mode.INFERENCE | kernels.Mode.TORCH_COMPILE, "inference|torch_compile", " Torch_Compile | inference"],
+)
+def test_kernelize_takes_kernels_mode_flags_and_strings_alike(mode: Any) -> None:
+    assert _kernels_mode(mode) == kernels.Mode.INFERENCE | kernels.Mode.TORCH_COMPILE
+    model = DemoModel()
+    assert kp.kernelize(model, mode=mode, device="cpu") is model
+    assert binding_of(model.norm) is not None
