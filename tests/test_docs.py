@@ -1,0 +1,51 @@
+"""The Markdown outside the docs site links only to files and headings that exist.
+
+``mkdocs build --strict`` (CI) checks the pages under ``docs/``; this checks the README files, the changelog
+and the benchmark results, which GitHub renders and mkdocs does not see.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = [
+    "README.md",
+    "CHANGELOG.md",
+    "benchmarks/README.md",
+    "benchmarks/RESULTS.md",
+    "examples/kernelpolicy_server/README.md",
+]
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+FENCE = re.compile(r"^```.*?^```", re.MULTILINE | re.DOTALL)
+
+
+def anchors(page: Path) -> set[str]:
+    """GitHub's heading anchors: lower case, punctuation but ``-`` dropped, spaces as ``-``."""
+    text = FENCE.sub("", page.read_text())
+    headings = re.findall(r"^#+ (.+)$", text, flags=re.MULTILINE)
+    return {re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-") for heading in headings}
+
+
+@pytest.mark.parametrize("name", PAGES)
+def test_relative_links_reach_a_file_and_a_heading(name: str) -> None:
+    page = ROOT / name
+    targets = [t for t in LINK.findall(FENCE.sub("", page.read_text())) if not re.match(r"[a-z]+://", t)]
+    broken = []
+    for target in targets:
+        path, _, anchor = target.partition("#")
+        file = (page.parent / path).resolve() if path else page
+        if not file.exists():
+            broken.append(f"{target}: no file {file.relative_to(ROOT) if file.is_relative_to(ROOT) else file}")
+        elif anchor and file.suffix == ".md" and anchor not in anchors(file):
+            broken.append(f"{target}: no heading with anchor #{anchor} in {file.relative_to(ROOT)}")
+    assert not broken, f"{name}: " + "; ".join(broken)
+
+
+def test_the_anchor_rule_is_githubs() -> None:
+    page = ROOT / "README.md"
+    assert {"quick-start", "supported-releases", "verify-check-a-kernel-against-the-original"} <= anchors(page)
+    assert "torchcompile-and-export" in anchors(page)
