@@ -251,27 +251,28 @@ def kernel_calls(model: nn.Module) -> int:
     return sum(int(calls[0]) for calls in counters.values())
 
 
-def tiny_llama(seed: int = 0) -> Any:
+def tiny_llama(seed: int = 0, **fields: Any) -> Any:
     """A tiny ``transformers.LlamaForCausalLM`` built from a config (no download), in eval mode.
 
     Hidden size 64, 2 layers, 4 heads, 2 key-value heads, vocabulary 256: 5
     ``LlamaRMSNorm`` layers (kernel layer name ``RMSNorm``), 2 ``SiLU``
     activations and a rotary-embedding kernel function per attention block.
+    Keyword arguments are ``LlamaConfig`` fields that replace those.
     """
     import torch
     import transformers
 
     torch.manual_seed(seed)
-    config = transformers.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=256,
-    )
+    defaults: dict[str, Any] = {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 256,
+    }
     model_class: Any = transformers.LlamaForCausalLM
-    return model_class(config).eval()
+    return model_class(transformers.LlamaConfig(**(defaults | fields))).eval()
 
 
 def _mark(layer_name: str) -> Any:

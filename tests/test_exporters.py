@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 import kernelpolicy as kp
-from kernelpolicy.testing import DemoModel, kernel_calls, write_kernel_repo
+from kernelpolicy.testing import DemoModel, kernel_calls, tiny_llama, write_kernel_repo
 
 transformers = pytest.importorskip("transformers")
 
@@ -161,16 +161,7 @@ class LlamaLogits(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        config = transformers.LlamaConfig(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=64,
-            max_position_embeddings=64,
-        )
-        self.lm = transformers.LlamaForCausalLM(config)
+        self.lm = tiny_llama(hidden_size=32, intermediate_size=64, vocab_size=64, max_position_embeddings=64)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         out = self.lm(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), use_cache=False)
