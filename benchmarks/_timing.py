@@ -4,17 +4,19 @@ Every number in the benchmarks comes from here:
 
 - A *group* is a set of variants measured together; one of them (or, per
   variant, another named variant) is the reference for ratios.
-- Each variant is a statement (``"m(x)"``) compiled once into a timing loop
-  whose names are function locals, like :mod:`timeit` does: the loop pays no
-  extra function call per iteration.
+- Each variant is a statement (``"m(x)"``) timed by
+  :class:`torch.utils.benchmark.Timer`: a sample is one ``Timer.timeit(n)``
+  block (see :func:`_sampler`). Timer's own schedulers
+  (``blocked_autorange``, ``adaptive_autorange``) time one variant after the
+  other, which a noisy machine turns into ratios (benchmarks/README.md,
+  "torch.utils.benchmark"); the rounds below interleave instead.
 - Calibration picks, per variant, the number of calls ``n`` in one sample so
   that a sample lasts about ``Settings.target_ns``; it also serves as warm-up,
   followed by ``Settings.warmup`` untimed samples.
 - Variants are measured interleaved: round ``r`` takes one sample of A, one of
-  B, one of C, ..., then round ``r + 1``. A sample is ``n`` calls between two
-  :func:`time.perf_counter_ns` reads, with the garbage collector off (as
-  :mod:`timeit` does); the variant's context (a policy scope, say) is entered
-  before and left after the timed loop, outside the timed region.
+  B, one of C, ..., then round ``r + 1``. The variant's context (a policy
+  scope, say) is entered before and left after each sample, outside the
+  timed block.
 - Per variant: median, min, max and quartiles of the per-round ns per call,
   and the ratio to the reference computed *per round* (both sampled within
   the same round, so slow phases of a noisy machine cancel) then summarised
@@ -27,14 +29,14 @@ Nothing here asserts anything about a timing.
 from __future__ import annotations
 
 import contextlib
-import gc
-import itertools
 import math
 import statistics
 import textwrap
-import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils.benchmark import Timer
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping, Sequence
@@ -186,38 +188,26 @@ def summarize(
     )
 
 
-_TEMPLATE = """
-def _sample(_it, _timer{params}):
-    _t0 = _timer()
-    for _ in _it:
-{body}
-    _t1 = _timer()
-    return _t1 - _t0
-"""
-
-
 def _sampler(variant: Variant) -> Callable[[int], int]:
-    """A function taking ``n`` and returning the ns taken by ``n`` runs of the statement."""
+    """A function taking ``n`` and returning the ns taken by ``n`` runs of the statement.
+
+    One sample is one :meth:`torch.utils.benchmark.Timer.timeit` block: the standard library's
+    :mod:`timeit` loop (the variant's names as its globals, the garbage collector off) with torch's
+    thread count fixed, after an untimed warm-up block of ``n // 100`` runs.
+    """
     for name in variant.names:
+        # timeit's loop keeps its own state in names that start with "_".
         if not name.isidentifier() or name.startswith("_"):
-            raise ValueError(f"{variant.name}: bad local name {name!r}")
-    params = "".join(f", {name}" for name in variant.names)
-    source = _TEMPLATE.format(params=params, body=textwrap.indent(textwrap.dedent(variant.stmt).strip(), " " * 8))
-    namespace: dict[str, Any] = {}
-    exec(compile(source, f"<benchmark {variant.name}>", "exec"), namespace)
-    sample = namespace["_sample"]
-    names = dict(variant.names)
-    timer = time.perf_counter_ns
+            raise ValueError(f"{variant.name}: bad name {name!r} (identifiers not starting with '_')")
+    timer = Timer(
+        stmt=textwrap.dedent(variant.stmt).strip(),
+        globals=dict(variant.names),
+        num_threads=torch.get_num_threads(),
+        label=variant.name,
+    )
 
     def run(n: int) -> int:
-        it = itertools.repeat(None, n)
-        enabled = gc.isenabled()
-        gc.disable()
-        try:
-            return int(sample(it, timer, **names))
-        finally:
-            if enabled:
-                gc.enable()
+        return round(timer.timeit(n).raw_times[0] * 1e9)
 
     return run
 
