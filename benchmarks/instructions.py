@@ -28,7 +28,7 @@ per-iteration cost of the loop itself and is subtracted from every other row
 Needs ``valgrind`` and ``callgrind_control`` (Debian package ``valgrind``).
 Two children run at a time; the whole run takes a few minutes.
 
-``python -m benchmarks.instructions [--calls N] [--variant TEXT ...] [--json PATH]``
+``python -m benchmarks.instructions [--calls N] [--variant TEXT ...] [--json PATH] [--markdown PATH]``
 """
 
 from __future__ import annotations
@@ -197,10 +197,11 @@ def measure(names: Sequence[str], calls: int, jobs: int = 2) -> dict[str, dict[s
     return results
 
 
-def render(results: dict[str, dict[str, float]], calls: int, command: str) -> str:
+def render(results: dict[str, dict[str, float]], calls: int, command: str, versions: dict[str, str]) -> str:
     lines = [
         f"# kernelpolicy instruction counts: {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC, "
-        f"Python {sys.version.split()[0]}, command: `{command}`",
+        f"torch {versions['torch']}, kernels {versions['kernels']}, Python {versions['python']}, "
+        f"command: `{command}`",
         "",
         f"callgrind, instructions per `m(x)` inside `functools.reduce` ((count at {2 * calls} calls - count at "
         f"{calls}) / {calls}); net = minus the harness's {results[HARNESS]['raw']:,.0f} per iteration. "
@@ -237,6 +238,12 @@ def main(argv: Sequence[str] | None = None, *, out: Callable[[str], None] = prin
         help="measure the variants whose name contains TEXT (repeatable; default: all)",
     )
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON, metavar="PATH", help="where to write the results")
+    parser.add_argument(
+        "--markdown",
+        type=Path,
+        metavar="PATH",
+        help="also write the printed report there (benchmarks/INSTRUCTIONS.md is this report of a full run)",
+    )
     parser.add_argument("--child", choices=list(VARIANTS), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.calls < 1:
@@ -249,11 +256,19 @@ def main(argv: Sequence[str] | None = None, *, out: Callable[[str], None] = prin
         names = _names(args.variant) if args.variant else list(VARIANTS)
     except ValueError as error:
         parser.error(str(error))
+    from .run import package_versions  # the parent only: the children import no more than they measure
+
+    versions = package_versions()
     results = measure(names, args.calls)
-    out(render(results, args.calls, command.strip()))
+    report = render(results, args.calls, command.strip(), versions)
+    out(report)
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"calls": args.calls, "command": command.strip(), "results": results}, indent=2))
-    out(f"\nJSON: {args.json}")
+    document = {"calls": args.calls, "command": command.strip(), "versions": versions, "results": results}
+    args.json.write_text(json.dumps(document, indent=2))
+    if args.markdown is not None:
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        args.markdown.write_text(report + "\n")
+    out(f"\nJSON: {args.json}" + (f", Markdown: {args.markdown}" if args.markdown else ""))
     return 0
 
 

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
     from ._timing import Group
 
-__all__ = ["main"]
+__all__ = ["main", "package_versions"]
 
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "latest.json"
 
@@ -82,11 +82,22 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _version(package: str) -> str:
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return "not installed"
+def package_versions() -> dict[str, str]:
+    """The versions a result depends on, as the reports' headers and JSON files state them."""
+
+    def version(package: str) -> str:
+        try:
+            return metadata.version(package)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    return {
+        "torch": torch.__version__,
+        "kernels": version("kernels"),
+        "transformers": version("transformers"),
+        "kernelpolicy": version("kernelpolicy"),
+        "python": platform.python_version(),
+    }
 
 
 def _unit(group: Group) -> tuple[str, float]:
@@ -162,13 +173,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
     now = dt.datetime.now().astimezone()
-    versions = {
-        "torch": torch.__version__,
-        "kernels": _version("kernels"),
-        "transformers": _version("transformers"),
-        "kernelpolicy": _version("kernelpolicy"),
-        "python": platform.python_version(),
-    }
+    versions = package_versions()
     report: list[str] = []
 
     def say(text: str) -> None:

@@ -87,10 +87,11 @@ def test_instruction_counts_are_repeatable_and_complete(tmp_path: Path) -> None:
     """
     from benchmarks import instructions
 
-    out = tmp_path / "instructions.json"
+    out, markdown = tmp_path / "instructions.json", tmp_path / "INSTRUCTIONS.md"
     done = subprocess.run(
         [
             *(sys.executable, "-m", "benchmarks.instructions", "--calls", "200", "--json", str(out)),
+            *("--markdown", str(markdown)),
             *("--variant", "noop (a) kernels direct binding"),  # the rmsnorm baseline comes with (b):
             *("--variant", "rmsnorm (b) kernelpolicy prefer, can_torch_compile=True"),
         ],
@@ -101,8 +102,14 @@ def test_instruction_counts_are_repeatable_and_complete(tmp_path: Path) -> None:
         check=False,
     )
     assert done.returncode == 0, f"stdout:\n{done.stdout[-4000:]}\nstderr:\n{done.stderr[-4000:]}"
-    results = json.loads(out.read_text())["results"]
+    document = json.loads(out.read_text())
+    results = document["results"]
     noop = "noop (a) kernels direct binding"
+    report = markdown.read_text()
+    assert (
+        report.startswith("# kernelpolicy instruction counts: ") and f"torch {document['versions']['torch']}" in report
+    )
+    assert report in done.stdout
     assert set(results) == {
         "harness",
         noop,

@@ -17,6 +17,7 @@ PAGES = [
     "CHANGELOG.md",
     "benchmarks/README.md",
     "benchmarks/RESULTS.md",
+    "benchmarks/INSTRUCTIONS.md",
     "examples/kernelpolicy_server/README.md",
 ]
 LINK = re.compile(r"\]\(([^)\s]+)\)")
