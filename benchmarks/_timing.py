@@ -193,7 +193,7 @@ def _sampler(variant: Variant) -> Callable[[int], int]:
 
     One sample is one :meth:`torch.utils.benchmark.Timer.timeit` block: the standard library's
     :mod:`timeit` loop (the variant's names as its globals, the garbage collector off) with torch's
-    thread count fixed, after an untimed warm-up block of ``n // 100`` runs.
+    thread count fixed, after Timer's own untimed warm-up block of ``max(n // 100, 2)`` runs.
     """
     for name in variant.names:
         # timeit's loop keeps its own state in names that start with "_".
