@@ -9,7 +9,9 @@ but mode entries the fast exits do not know), so every call takes the slow path,
 decides as usual and adds one count to every active recorder. Recorders
 follow the ContextVar rules (per thread, per task); :func:`~kernelpolicy.propagate`
 carries them into workers. Calls inside a ``torch.compile``d graph are not
-counted: a compiled graph runs no Python.
+counted: a compiled graph runs no Python. A call that raised is counted too,
+with the path it took and the exception's class (column ``raised``): when a
+kernel fails, that is the call to look at.
 """
 
 from __future__ import annotations
@@ -30,7 +32,10 @@ __all__ = ["CallCounts", "record_calls"]
 
 @final
 class CallCounts:
-    """Counts recorded by :func:`record_calls`, keyed by (module, layer name, path, reason)."""
+    """Counts recorded by :func:`record_calls`, keyed by (module, layer name, path, reason, raised).
+
+    ``raised`` is the class name of the exception the call raised, or ``""``.
+    """
 
     __module__ = "kernelpolicy"  # the public name (see kernelpolicy/__init__.py)
 
@@ -38,11 +43,11 @@ class CallCounts:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._counts: collections.Counter[tuple[str, str, str, str]] = collections.Counter()
+        self._counts: collections.Counter[tuple[str, str, str, str, str]] = collections.Counter()
 
-    def add(self, module: str | None, layer_name: str, path: str, reason: str) -> None:
+    def add(self, module: str | None, layer_name: str, path: str, reason: str, raised: str = "") -> None:
         with self._lock:
-            self._counts[(module or "", layer_name, path, reason)] += 1
+            self._counts[(module or "", layer_name, path, reason, raised)] += 1
 
     def by_layer(self) -> dict[str, dict[str, int]]:
         """``{layer_name: {path: calls}}``, e.g. ``{"RMSNorm": {"kernel": 5}}``."""
@@ -59,25 +64,29 @@ class CallCounts:
             paths[key[2]] = paths.get(key[2], 0) + calls
         return result
 
-    def items(self) -> list[tuple[tuple[str, str, str, str], int]]:
-        """Every ((module, layer name, path, reason), calls), sorted."""
+    def items(self) -> list[tuple[tuple[str, str, str, str, str], int]]:
+        """Every ((module, layer name, path, reason, raised), calls), sorted."""
         with self._lock:
             return sorted(self._counts.items())
 
-    def total(self, layer_name: str | None = None, path: str | None = None) -> int:
-        """Calls recorded, optionally only for one layer name and/or one path."""
+    def total(self, layer_name: str | None = None, path: str | None = None, *, raised: bool | None = None) -> int:
+        """Calls recorded, optionally only for one layer name, one path, and those that raised (or did not)."""
         return sum(
             calls
-            for (_, layer, taken, _), calls in self.items()
-            if (layer_name is None or layer == layer_name) and (path is None or taken == path)
+            for (_, layer, taken, _, error), calls in self.items()
+            if (layer_name is None or layer == layer_name)
+            and (path is None or taken == path)
+            and (raised is None or bool(error) == raised)
         )
 
     def __str__(self) -> str:
+        items = self.items()
+        with_raised = any(key[4] for key, _ in items)
         rows = [
-            (module or "(root)", layer, path, reason, str(calls))
-            for (module, layer, path, reason), calls in self.items()
+            (module or "(root)", layer, path, reason, *((raised or "-",) if with_raised else ()), str(calls))
+            for (module, layer, path, reason, raised), calls in items
         ]
-        header = ("module", "layer", "path", "reason", "calls")
+        header = ("module", "layer", "path", "reason", *(("raised",) if with_raised else ()), "calls")
         widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
         return "\n".join(
             "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in [header, *rows]

@@ -183,6 +183,11 @@ GRAPH_BREAK = Internal(
 #: ``tests/test_tracing.py`` (require, fullgraph=False) fails if Dynamo stops honouring it.
 DYNAMO_DISABLE_MARK = "_torchdynamo_disable"
 DYNAMO_COUNTERS = Internal("doctor and tests count graph breaks", ("torch._dynamo.utils.counters",))
+FUNCTORCH_STACK = Internal(
+    "verify: whether a torch.func transform (vmap, grad, ...) runs the call",
+    ("torch._C._functorch.peek_interpreter_stack",),
+    "verify compares under torch.func transforms too (under vmap that comparison fails)",
+)
 KERNELS_LAYER_CACHE = Internal(
     "explain: which kernel repository a bound kernel came from",
     ("kernels.layer.layer._CACHED_LAYER",),
@@ -200,6 +205,7 @@ INTERNALS: tuple[Internal, ...] = (
     *CALL_PATH,
     GRAPH_BREAK,
     DYNAMO_COUNTERS,
+    FUNCTORCH_STACK,
     KERNELS_LAYER_CACHE,
 )
 

@@ -8,14 +8,14 @@ The closure reads the policy once (``DEFAULTS.active._current``, see
 ``_active``), looks up the layer's mode, and takes a fast exit in the common
 cases: ``disable``; a usable kernel under ``prefer`` or ``require``; no
 kernel under ``prefer``. Everything else (``verify``, recorded calls, a
-tracer, a kernel without backward while training) goes to
+tracer, a kernel without backward on a call autograd records) goes to
 :meth:`Binding.slow_path`, which applies :func:`decide` and verifies, records,
 raises or logs. Nothing on the hot path allocates,
 logs, locks or calls ``ContextVar.get`` directly, so TorchDynamo traces it
 without a graph break and guards on the policy read.
 
 The decision table (``usable``: eager or a traceable kernel, and not a kernel
-without backward while the module trains with grad enabled):
+without backward on a call autograd records, see :func:`autograd_records`):
 
 ======= ============= ======== ===================================
 mode    kernel bound  usable   path
@@ -29,8 +29,14 @@ require yes           no       KernelUnavailableError (see below)
 require yes           yes      kernel
 verify  --            --       as prefer; when the kernel runs in eager
                                code, the original runs too and the
-                               outputs are compared (see ``_verify``)
+                               outputs are compared (see ``_verify``);
+                               not under a ``torch.func`` transform
+                               (there: as prefer, logged once)
 ======= ============= ======== ===================================
+
+A call that raises (the kernel's error, the original's, a mismatch of
+``verify``) is recorded by ``record_calls`` with the path it took and the
+exception's class.
 
 One failure is known only when the kernel is called: a custom-op kernel given
 DTensor inputs or parameters (tensor or sequence parallelism) for which its op
@@ -79,7 +85,7 @@ if TYPE_CHECKING:
     from ._policy import PolicyMode
     from ._state import ExecutionState
 
-__all__ = ["Binding", "Path", "decide", "make_forward"]
+__all__ = ["Binding", "Path", "autograd_records", "decide", "make_forward"]
 
 logger = logging.getLogger("kernelpolicy")
 
@@ -95,7 +101,27 @@ def untraceable(state: ExecutionState) -> str:
     return f"kernel cannot be traced under {state} (it does not declare can_torch_compile = True)"
 
 
-NO_BACKWARD: Final = "kernel has no backward (has_backward = False) and the module is training with grad enabled"
+NO_BACKWARD: Final = (
+    "kernel has no backward (has_backward = False) and autograd records this call "
+    "(grad enabled and a tensor argument or parameter requires grad)"
+)
+UNVERIFIED_IN_TRANSFORM: Final = "kernel usable; not verified under a torch.func transform (runs as under prefer)"
+
+
+def autograd_records(module: nn.Module, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> bool:
+    """Whether autograd records a call of ``module`` with these arguments.
+
+    Grad mode is enabled and a tensor argument (at any depth of tuples, lists
+    and dicts) or a parameter of ``module`` requires grad: the output then
+    needs a backward, in train and eval mode alike (``torch.func.grad``'s
+    inputs and ``functional_call``'s parameters count, as they require grad
+    inside the transform). A kernel without backward must not run such a call.
+    """
+    if not torch.is_grad_enabled():
+        return False
+    if any(p.requires_grad for p in module.parameters()):
+        return True
+    return any(t.requires_grad for t in _tensors((args, kwargs or {})))
 
 
 def decide(
@@ -198,17 +224,17 @@ class Binding:
             return f"{self.kernel_class.__module__}.{self.kernel_class.__qualname__}"
         return str(getattr(self.kernel, "__qualname__", self.kernel))
 
-    def needs_backward(self) -> bool:
-        return self.module.training and torch.is_grad_enabled()
-
-    def decide(self, mode: PolicyMode, state: ExecutionState) -> tuple[Path, str]:
+    def decide(
+        self, mode: PolicyMode, state: ExecutionState, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> tuple[Path, str]:
+        """The path of a call with ``args`` and ``kwargs`` (without them: of a call whose arguments need no grad)."""
         path, reason = decide(
             mode,
             has_kernel=self.kernel is not None,
             can_torch_compile=self.can_torch_compile,
             has_backward=self.has_backward,
             state=state,
-            needs_backward=self.needs_backward(),
+            needs_backward=not self.has_backward and autograd_records(self.module, args, kwargs),
         )
         if reason == NO_KERNEL and self.dropped is not None:
             reason = f"{NO_KERNEL}: {self.dropped} was dropped when the module was pickled (kernelize after loading)"
@@ -225,26 +251,30 @@ class Binding:
             mode = UNRECORDED[mode]
         if state is None:
             state = _state.execution_state()
-        path, reason = self.decide(mode, state)
+        path, reason = self.decide(mode, state, args, kwargs)
         recorders = RECORDERS.get() if recording and not _is_dynamo() else ()
         if path == "kernel" and state == "eager":
             assert self.kernel is not None
+            if reason == VERIFIED and _state.in_transform():
+                reason = UNVERIFIED_IN_TRANSFORM
+                self._log_once("not verified in transform", logging.WARNING, f"is {reason}")
             try:
                 out = self.verify(args, kwargs) if reason == VERIFIED else self.kernel(self.module, *args, **kwargs)
             except NotImplementedError as error:
-                return self.unsupported(error, mode, args, kwargs, recorders)
-            except KernelMismatchError:
-                self._record(recorders, path, reason)  # the kernel ran; its output differed
+                return self.unsupported(error, mode, args, kwargs, recorders, reason)
+            except BaseException as error:
+                self._record(recorders, path, reason, error)
                 raise
             self._record(recorders, path, reason)
             return out
-        self._record(recorders, path, reason)
-        if path == "kernel":
-            return self.kernel(self.module, *args, **kwargs)  # type: ignore[misc]
-        if path == "original":
+        if path == "error":
+            self._record(recorders, path, reason)
+        elif path == "kernel":
+            return self._run(recorders, path, reason, self.kernel, args, kwargs)  # type: ignore[arg-type]
+        else:
             if self.kernel is not None and reason != DISABLED and not _is_dynamo():
                 self._log_fallback(reason)
-            return self.original(self.module, *args, **kwargs)
+            return self._run(recorders, path, reason, self.original, args, kwargs)
         if _is_dynamo():
             # Constructing or raising an exception in traced code is unsupported;
             # break the graph here so that fullgraph=True fails with this message,
@@ -261,6 +291,7 @@ class Binding:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         recorders: tuple[Any, ...] = (),
+        reason: str = USABLE,
     ) -> Any:
         """The kernel raised ``error`` before running: the original under ``prefer``, an error under ``require``.
 
@@ -272,9 +303,10 @@ class Binding:
         (``verify`` does not compare those calls: logged once). Anything else is
         the kernel's own error and propagates unchanged. ``mode`` is a plain
         mode (the fast exits and :meth:`slow_path` strip recording); ``recorders``
-        count the path taken.
+        count the path taken (``reason``: why the kernel was called, for a call whose error propagates).
         """
         if not _no_sharding_strategy(error, (args, kwargs, self.module)):
+            self._record(recorders, "kernel", reason, error)
             raise error
         self.dtensor_failure = str(error)
         if self.layer_name in _LOCAL_SHARDS:
@@ -283,16 +315,37 @@ class Binding:
             if mode == "verify":
                 self._log_once("not verified", logging.WARNING, "verify does not compare kernels run on local shards")
             return call_on_local_shards(self.kernel, self.module, args, kwargs)
-        self._record(recorders, "error" if mode == "require" else "original", NO_SHARDING)
         reason = f"{NO_SHARDING}: {error}"
         if mode == "require":
+            self._record(recorders, "error", NO_SHARDING)
             raise self.error(reason) from error
         self._log_fallback(reason)
-        return self.original(self.module, *args, **kwargs)
+        return self._run(recorders, "original", NO_SHARDING, self.original, args, kwargs)
 
-    def _record(self, recorders: tuple[Any, ...], path: Path, reason: str) -> None:
+    def _run(
+        self,
+        recorders: tuple[Any, ...],
+        path: Path,
+        reason: str,
+        forward: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        """Call ``forward`` and record the call (with the exception's class when it raises)."""
+        if not recorders:
+            return forward(self.module, *args, **kwargs)
+        try:
+            out = forward(self.module, *args, **kwargs)
+        except BaseException as error:
+            self._record(recorders, path, reason, error)
+            raise
+        self._record(recorders, path, reason)
+        return out
+
+    def _record(self, recorders: tuple[Any, ...], path: Path, reason: str, error: BaseException | None = None) -> None:
+        raised = "" if error is None else type(error).__name__
         for recorder in recorders:
-            recorder.add(self.path, self.layer_name, path, reason)
+            recorder.add(self.path, self.layer_name, path, reason, raised)
 
     def verify(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Run the original (on cloned inputs) and the kernel; compare; return the kernel's output."""
@@ -445,7 +498,7 @@ _BODIES: dict[str, str] = {
         if mode == "disable":
             return original(self, {call})
         if (mode == "prefer" or mode == "require") and not ({tracing}) and (
-            has_backward or not self.training or not torch.is_grad_enabled()
+            has_backward or not autograd_records(self, {pack})
         ):
             try:
                 return kernel(self, {call})

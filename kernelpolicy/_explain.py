@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import types
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-import torch
 from torch.compiler import is_dynamo_compiling as _is_dynamo
 
 from ._active import DEFAULTS, UNRECORDED, current_policy
 from ._binding import BINDING, binding_of, kernel_modules
-from ._dispatch import NO_SHARDING, Binding, has_dtensor
+from ._dispatch import NO_SHARDING, Binding, autograd_records, has_dtensor
 from ._state import ExecutionState, execution_state
 from ._transformers import ATTENTION, ROW, hub_attention_of, lazily_loaded
 from .distributed import local_shard_layers
@@ -35,8 +34,13 @@ if TYPE_CHECKING:
 __all__ = ["Explanation", "LayerRow", "explain", "will_use_kernel"]
 
 
-def will_use_kernel(module: nn.Module) -> bool:
+def will_use_kernel(module: nn.Module, *args: Any, **kwargs: Any) -> bool:
     """Whether ``module``'s next call, made here, runs its kernel (False: its original forward, or an error).
+
+    ``args`` and ``kwargs`` are that call's arguments. Only a kernel without
+    backward depends on them (it does not run a call autograd records: grad
+    enabled and an argument or parameter requiring grad); without them the
+    answer is for arguments that need no grad.
 
     For the rare parent whose code must differ with the path its child takes
     (a kernel that wants another layout than the original forward): ask
@@ -67,10 +71,10 @@ def will_use_kernel(module: nn.Module) -> bool:
             binding.kernel is not None
             and binding.can_torch_compile
             and bool(getattr(active.kernel_on, binding.layer_name))
-            and (binding.has_backward or not (module.training and torch.is_grad_enabled()))
+            and (binding.has_backward or not autograd_records(module, args, kwargs))
         )
     entry = getattr(active.modes, binding.layer_name)
-    return binding.decide(UNRECORDED.get(entry, entry), execution_state())[0] == "kernel"
+    return binding.decide(UNRECORDED.get(entry, entry), execution_state(), args, kwargs)[0] == "kernel"
 
 
 @dataclasses.dataclass(frozen=True)

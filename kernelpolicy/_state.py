@@ -21,6 +21,14 @@ state       detected by
 ``eager``   none of the above
 =========== =========================================================
 
+A ``torch.func`` transform (``vmap``, ``grad``, ``jacrev``, ``jvp``,
+``functional_call`` under one of them) is not a tracer: its Python runs as
+eager code, on wrapped tensors, so the state is ``eager`` and every mode
+takes its eager path. One thing differs, and :func:`in_transform` tells it:
+``verify`` does not compare there (under ``vmap`` a comparison would branch
+on batched values, which vmap forbids), it runs the kernel as ``prefer``
+does, logs that once per layer and records the reason.
+
 Order matters: the Dynamo check must come first. Under Dynamo the
 ``torch.compiler._is_compiling_flag`` global reads True at trace time and
 False at run time, so reading it in traced code would recompile every call.
@@ -37,9 +45,9 @@ import torch.compiler as _compiler
 import torch.fx._symbolic_trace as _fx
 from torch.compiler import is_dynamo_compiling as _is_dynamo
 
-from ._compat import COMPILING_FLAG, EXPORTING_FLAG, FX_TRACING, first_present
+from ._compat import COMPILING_FLAG, EXPORTING_FLAG, FUNCTORCH_STACK, FX_TRACING, first_present, lookup
 
-__all__ = ["READERS", "TRACING_CHECK", "TRACING_NAMES", "ExecutionState", "execution_state"]
+__all__ = ["READERS", "TRACING_CHECK", "TRACING_NAMES", "ExecutionState", "execution_state", "in_transform"]
 
 ExecutionState = Literal["eager", "compile", "export", "jit", "fx"]
 
@@ -103,3 +111,17 @@ def execution_state() -> ExecutionState:
     if _get_tracing_state() is not None:
         return "jit"
     return "eager"
+
+
+_peek_transforms = lookup(FUNCTORCH_STACK.names[0]) if first_present(FUNCTORCH_STACK) else (lambda: None)
+
+
+def in_transform() -> bool:
+    """Whether a ``torch.func`` transform (``vmap``, ``grad``, ``jacrev``, ...) is running the current call.
+
+    >>> import torch
+    >>> from kernelpolicy._state import in_transform
+    >>> in_transform(), torch.func.vmap(lambda x: x * in_transform())(torch.ones(2)).tolist()
+    (False, [1.0, 1.0])
+    """
+    return _peek_transforms() is not None

@@ -29,7 +29,7 @@ def test_counts_by_layer_module_path_and_reason(kernelized: Callable[..., DemoMo
     assert calls.by_module()["norm"] == {"kernel": 1, "original": 2}
     assert calls.total() == 9
     assert calls.total(path="original") == 6
-    reasons = {(module, path, reason): n for (module, _, path, reason), n in calls.items()}
+    reasons = {(module, path, reason): n for (module, _, path, reason, _), n in calls.items()}
     assert reasons[("blocks.0.1", "original", "disabled by policy")] == 2
     assert reasons[("blocks.0.1", "kernel", "kernel usable")] == 1
     text = str(calls)

@@ -169,7 +169,7 @@ def test_a_layer_declared_local_runs_its_kernel_on_the_shards(norm: nn.Module, m
     assert isinstance(out, DTensor) and out.placements == (Shard(0),) and out.device_mesh == mesh
     torch.testing.assert_close(out.full_tensor(), _reference(x) + 100)  # the kernel adds 100
     assert calls.by_layer() == {"RMSNorm": {"kernel": 1}}
-    assert {reason for (*_, reason), _ in calls.items()} == {
+    assert {reason for (*_, reason, _), _ in calls.items()} == {
         "kernel run on local shards (declared with kernelpolicy.distributed.run_on_local_shards)"
     }
     assert isinstance(model[0].weight, DTensor)  # the module is not changed

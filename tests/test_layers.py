@@ -15,6 +15,7 @@ from torch import nn
 
 import kernelpolicy as kp
 from kernelpolicy._binding import _kernels_mode, binding_of
+from kernelpolicy._dispatch import NO_BACKWARD, _logged
 from kernelpolicy.testing import DemoModel, RMSNorm, kernel_calls
 
 X = torch.randn(3, 16, generator=torch.Generator().manual_seed(1))
@@ -96,26 +97,39 @@ def test_require_per_layer_only_hits_named_layer() -> None:
         model(X)
 
 
-def test_no_backward_kernel_falls_back_while_training_with_grad(
-    kernelized: Callable[..., DemoModel], caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize("training", [True, False])
+def test_no_backward_kernel_runs_only_where_autograd_does_not_record(
+    kernelized: Callable[..., DemoModel], caplog: pytest.LogCaptureFixture, training: bool
 ) -> None:
-    model = kernelized("no_backward")
+    model = kernelized("no_backward").train(training)
     offset_present = lambda out: out.mean().item() > 50  # noqa: E731
-    model.train()
+    _logged.discard(("RMSNorm", NO_BACKWARD))  # logged once per process: forget an earlier test's
+    # Grad enabled and parameters that require grad: autograd records every call, in train and eval mode.
     with caplog.at_level(logging.INFO, logger="kernelpolicy"):
         for _ in range(3):
-            assert not offset_present(model(X))  # prefer: original forward
+            out = model(X)
+            assert not offset_present(out) and out.grad_fn is not None  # prefer: original forward
     records = [r for r in caplog.records if r.name == "kernelpolicy"]
     assert len(records) == 1, "one record per (layer name, reason)"
-    assert "has no backward" in records[0].getMessage()
-    with torch.no_grad():
-        assert offset_present(model(X))
+    assert "has no backward" in records[0].getMessage() and "autograd records this call" in records[0].getMessage()
     with kp.kernel_policy("require"), pytest.raises(kp.KernelUnavailableError, match="kernel has no backward"):
         model(X)
-    model.eval()
+    for no_autograd in (torch.no_grad, torch.inference_mode):
+        with no_autograd():
+            assert offset_present(model(X))
+            with kp.kernel_policy("require"):
+                assert offset_present(model(X))
+    # Frozen parameters: the call is recorded only when an input requires grad.
+    model.requires_grad_(False)
     assert offset_present(model(X))
-    with kp.kernel_policy("require"):
-        assert offset_present(model(X))
+    x = X.clone().requires_grad_()
+    out = model(x)
+    assert not offset_present(out)
+    out.sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+    with kp.record_calls() as calls:
+        model(x)
+    assert {key[3] for key, _ in calls.items()} == {NO_BACKWARD}
 
 
 def test_rekernelize_updates_kernel_and_keeps_policy(

@@ -54,7 +54,7 @@ class Parent(nn.Module):
         self.child = child
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if kp.will_use_kernel(self.child):
+        if kp.will_use_kernel(self.child, x):
             return self.child(x) + 100
         return self.child(x)
 
@@ -88,13 +88,16 @@ def test_eager_answer_is_the_path_of_the_next_call(kernel: type[nn.Module] | Non
     assert calls.total(path="kernel") == int(expected)
 
 
-def test_a_kernel_without_backward_while_training_is_not_used() -> None:
-    parent = _parent(_NoBackward).train()
+@pytest.mark.parametrize("training", [True, False])
+def test_a_kernel_without_backward_is_not_used_where_autograd_records(training: bool) -> None:
+    parent = _parent(_NoBackward).train(training)
     x = torch.zeros(1, requires_grad=True)
-    assert not kp.will_use_kernel(parent.child)
-    assert parent(x).item() == ORIGINAL
+    assert not kp.will_use_kernel(parent.child, x)
+    out = parent(x)
+    assert out.item() == ORIGINAL and out.grad_fn is not None
+    assert kp.will_use_kernel(parent.child, x.detach()) and parent(x.detach()).item() == KERNEL
     with torch.no_grad():
-        assert kp.will_use_kernel(parent.child) and parent(x).item() == KERNEL
+        assert kp.will_use_kernel(parent.child, x) and parent(x).item() == KERNEL
 
 
 def test_compiled_parent_branches_on_the_policy_without_graph_break() -> None:

@@ -124,7 +124,7 @@ def test_record_calls_on_generate(llama: Any) -> None:
     with kp.record_calls() as calls, kp.kernel_policy(RMSNorm="disable"):
         llama(IDS)
     assert calls.by_layer()["RMSNorm"] == {"original": 5}
-    reasons = {reason for (_, layer, _, reason), _ in calls.items() if layer == "SiLU"}
+    reasons = {reason for (_, layer, _, reason, _), _ in calls.items() if layer == "SiLU"}
     assert reasons == {"no kernel bound"}
 
 

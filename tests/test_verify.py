@@ -69,7 +69,7 @@ def test_verify_passes_for_an_exact_kernel_and_returns_its_output(kernelized: Ca
     assert kernel_calls(model) - before == 3
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
     assert calls.by_layer() == {"RMSNorm": {"kernel": 3}}
-    assert {reason for (_, _, _, reason), _ in calls.items()} == {
+    assert {reason for (_, _, _, reason, _), _ in calls.items()} == {
         "kernel usable; verified against the original forward"
     }
 
