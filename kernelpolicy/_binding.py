@@ -116,8 +116,10 @@ def attach(model: M, *, attention_fallback: str | None = None) -> M:
     ``use_kernels=True``. A transformers model whose attention is a hub
     kernel (``attn_implementation="org/repo"``) gets it under the policy name
     ``attention``, falling back to ``attention_fallback`` (default ``sdpa``,
-    ``eager`` where the model has no sdpa; see ``_transformers``). Idempotent;
-    returns ``model``.
+    ``eager`` where the model has no sdpa; see ``_transformers``). The
+    model's activation checkpointing (transformers', ``checkpoint_wrapper``)
+    recomputes under the policy of the forward (see
+    :mod:`kernelpolicy.training`). Idempotent; returns ``model``.
 
     >>> import torch, kernels, kernelpolicy
     >>> @kernels.use_kernel_forward_from_hub("Double")
@@ -138,6 +140,9 @@ def attach(model: M, *, attention_fallback: str | None = None) -> M:
         from ._transformers import attach_attention
 
         attach_attention(model, attention_fallback)
+    from .training import attach_checkpointing
+
+    attach_checkpointing(model)
     return model
 
 

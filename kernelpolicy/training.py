@@ -1,0 +1,178 @@
+"""Training: a forward that PyTorch runs again takes the path its first run took.
+
+This module owns :func:`checkpoint` and the replay that :func:`kernelpolicy.attach`
+installs on the activation checkpointing it finds in a model.
+
+Activation checkpointing runs a forward twice: once in the forward pass, and
+again during ``backward()`` to recompute the activations it did not keep.
+``torch.utils.checkpoint`` restores the RNG and autocast state for the
+recomputation, but not context variables: the recomputation runs in the
+context of whoever calls ``backward()``. A training step written as::
+
+    with kernelpolicy.kernels_disabled():
+        loss = model(batch).sum()
+    loss.backward()
+
+would recompute with the kernels on, and mix activations of two paths
+(silently: the non-reentrant checkpoint compares only shapes and dtypes).
+
+:func:`checkpoint` captures the policy in effect when it is called and runs the
+checkpointed function under it, in the forward pass and in every
+recomputation, whatever scope or thread calls ``backward()``. Call recording
+is not captured: a recomputation is counted by a ``record_calls()`` active
+where ``backward()`` runs.
+
+Reached automatically, by :func:`kernelpolicy.attach` and
+:func:`kernelpolicy.kernelize`:
+
+- transformers' gradient checkpointing (``model.gradient_checkpointing_enable()``,
+  ``Trainer(gradient_checkpointing=True)``, reentrant or not, with ``offload``),
+  enabled before or after ``attach``: the checkpoint function transformers
+  gives each layer is wrapped, and so is every later one (``attach`` wraps the
+  model's ``_set_gradient_checkpointing`` on the instance);
+- ``torch.distributed``'s ``checkpoint_wrapper`` modules already in the model.
+
+Everywhere else, call this module's :func:`checkpoint` instead of
+``torch.utils.checkpoint.checkpoint``, or pass it as ``checkpoint_fn`` to
+``checkpoint_wrapper``. ``torch.utils.checkpoint.checkpoint_sequential``
+checkpoints through torch's own function; give it functions that carry the
+policy with :func:`kernelpolicy.propagate`.
+
+Under ``torch.compile`` the recomputation is part of the compiled graph (the
+policy was read, and guarded, when the forward was traced), so :func:`checkpoint`
+calls the checkpoint function as it is.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import sys
+from typing import TYPE_CHECKING, Any, final
+
+from torch.compiler import is_dynamo_compiling as _is_dynamo
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+from ._active import DEFAULTS, ensure_env
+from ._scope import kernel_policy
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from torch import nn
+
+    from ._policy import Policy
+
+__all__ = ["checkpoint"]
+
+
+def checkpoint(
+    function: Callable[..., Any], /, *args: Any, checkpoint_fn: Callable[..., Any] | None = None, **kwargs: Any
+) -> Any:
+    """``torch.utils.checkpoint.checkpoint`` whose recomputation takes the path of the forward.
+
+    The same arguments as torch's (``use_reentrant``, ``context_fn``,
+    ``preserve_rng_state``, ...). ``checkpoint_fn`` checkpoints with another
+    function of the same calling convention (transformers' offloading one, a
+    ``functools.partial``); the default is ``torch.utils.checkpoint.checkpoint``.
+
+    >>> import torch, kernelpolicy
+    >>> from kernelpolicy.training import checkpoint
+    >>> layer = torch.nn.Linear(2, 2)
+    >>> x = torch.ones(1, 2, requires_grad=True)
+    >>> with kernelpolicy.kernels_disabled():
+    ...     y = checkpoint(layer, x, use_reentrant=False)
+    >>> y.sum().backward()  # recomputes under kernels_disabled()
+
+    As the ``checkpoint_fn`` of ``checkpoint_wrapper`` (FSDP2's usual set-up)::
+
+        checkpoint_wrapper(block, checkpoint_fn=kernelpolicy.training.checkpoint, use_reentrant=False)
+    """
+    run: Callable[..., Any] = torch_checkpoint if checkpoint_fn is None else checkpoint_fn
+    if _is_dynamo():
+        return run(function, *args, **kwargs)
+    ensure_env()
+    return run(_Replay(function, DEFAULTS.active._current.policy), *args, **kwargs)
+
+
+@final
+class _Replay:
+    """``function`` run under ``policy``: what :func:`checkpoint` hands the checkpoint function."""
+
+    __slots__ = ("function", "policy", "scope")
+
+    def __init__(self, function: Callable[..., Any], policy: Policy) -> None:
+        self.function = function
+        self.policy = policy
+        self.scope = kernel_policy(policy)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with self.scope:
+            return self.function(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"<{self.function!r} under {self.policy}>"
+
+
+def replaying(checkpoint_fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``checkpoint_fn`` as :func:`checkpoint` calls it (unchanged when it replays already)."""
+    if isinstance(checkpoint_fn, functools.partial) and checkpoint_fn.func is checkpoint:
+        return checkpoint_fn
+    return functools.partial(checkpoint, checkpoint_fn=checkpoint_fn)
+
+
+# --- what attach reaches ---------------------------------------------------------------------
+
+_TRANSFORMERS_FUNC = "_gradient_checkpointing_func"
+_TRANSFORMERS_SETTER = "_set_gradient_checkpointing"
+_WRAPPER_MODULE = "torch.distributed.algorithms._checkpoint.checkpoint_wrapper"
+
+
+def attach_checkpointing(model: nn.Module) -> None:
+    """Make the activation checkpointing of ``model`` replay the policy (see the module docstring)."""
+    transformers = "transformers" in sys.modules
+    wrapper_module = sys.modules.get(_WRAPPER_MODULE)
+    wrapper = getattr(wrapper_module, "CheckpointWrapper", None)
+    if not transformers and wrapper is None:
+        return  # neither exists unless imported
+    for module in model.modules():
+        found = module.__dict__.get(_TRANSFORMERS_FUNC)
+        if found is not None:
+            module.__dict__[_TRANSFORMERS_FUNC] = replaying(found)
+        if transformers and _has_new_style_setter(module):
+            module.__dict__[_TRANSFORMERS_SETTER] = _ReplayingSetter(module)
+        if wrapper is not None and isinstance(module, wrapper):
+            module.checkpoint_fn = replaying(module.checkpoint_fn)
+
+
+def _has_new_style_setter(module: nn.Module) -> bool:
+    """Whether ``module`` is a transformers model whose ``_set_gradient_checkpointing`` takes the function."""
+    if _TRANSFORMERS_SETTER in module.__dict__ or not hasattr(module, "gradient_checkpointing_enable"):
+        return False
+    setter = getattr(type(module), _TRANSFORMERS_SETTER, None)
+    return setter is not None and "gradient_checkpointing_func" in inspect.signature(setter).parameters
+
+
+@final
+class _ReplayingSetter:
+    """A model's ``_set_gradient_checkpointing``, wrapping the checkpoint function it is given.
+
+    Stored on the instance by :func:`attach_checkpointing`, so that
+    ``gradient_checkpointing_enable()`` called after ``attach`` hands every layer
+    a replaying checkpoint function too. Copies and pickles with the model.
+    """
+
+    __slots__ = ("model",)
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        setter = getattr(type(self.model), _TRANSFORMERS_SETTER)
+        bound = inspect.signature(setter).bind(self.model, *args, **kwargs)
+        bound.apply_defaults()
+        bound.arguments["gradient_checkpointing_func"] = replaying(bound.arguments["gradient_checkpointing_func"])
+        return setter(*bound.args, **bound.kwargs)
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_ReplayingSetter, (self.model,))
