@@ -47,6 +47,10 @@ UNRECORDED: dict[str, PolicyMode] = {f"{mode}+record": mode for mode in MODES}
 _SCOPED: ContextVar[Active] = ContextVar("kernelpolicy.scoped")
 # The record_calls() recorders active in this context (read in the slow path only).
 RECORDERS: ContextVar[tuple[Any, ...]] = ContextVar("kernelpolicy.recorders", default=())
+# True while a reentrant checkpoint runs its forward under no_grad for a caller that had grad enabled:
+# autograd will record the recomputation, so a kernel without backward must give way here too (set by
+# kernelpolicy.training, read by _dispatch.autograd_records in eager code only).
+RECOMPUTED_WITH_GRAD: ContextVar[bool] = ContextVar("kernelpolicy.recomputed_with_grad", default=False)
 
 
 @final

@@ -72,7 +72,7 @@ import torch.fx._symbolic_trace as _fx  # noqa: F401 - read by the generated for
 from torch.compiler import is_dynamo_compiling as _is_dynamo
 
 from . import _state
-from ._active import DEFAULTS, RECORDERS, UNRECORDED, register_layer_name
+from ._active import DEFAULTS, RECOMPUTED_WITH_GRAD, RECORDERS, UNRECORDED, register_layer_name
 from ._compat import DYNAMO_DISABLE_MARK
 from ._errors import KernelMismatchError, KernelUnavailableError, OriginalUnavailableError, unavailable_message
 from .distributed import _LOCAL_SHARDS, call_on_local_shards
@@ -116,9 +116,13 @@ def autograd_records(module: nn.Module, args: tuple[Any, ...] = (), kwargs: dict
     needs a backward, in train and eval mode alike (``torch.func.grad``'s
     inputs and ``functional_call``'s parameters count, as they require grad
     inside the transform). A kernel without backward must not run such a call.
+    Also every call of the forward pass of a reentrant checkpoint taken with
+    grad enabled (:func:`kernelpolicy.training.checkpoint`): torch runs it
+    under ``no_grad``, but autograd records its recomputation, which must
+    take the same path.
     """
     if not torch.is_grad_enabled():
-        return False
+        return not _is_dynamo() and RECOMPUTED_WITH_GRAD.get()
     if any(p.requires_grad for p in module.parameters()):
         return True
     return any(t.requires_grad for t in _tensors((args, kwargs or {})))

@@ -20,7 +20,10 @@ would recompute with the kernels on, and mix activations of two paths
 checkpointed function under it, in the forward pass and in every
 recomputation, whatever scope or thread calls ``backward()``. Call recording
 is not captured: a recomputation is counted by a ``record_calls()`` active
-where ``backward()`` runs.
+where ``backward()`` runs. A reentrant checkpoint runs its forward pass under
+``no_grad``, where a kernel without backward could run, and recomputes with
+grad, where it cannot: taken with grad enabled, the forward pass gives way
+to the original too, so both passes take one path.
 
 Reached automatically, by :func:`kernelpolicy.attach` and
 :func:`kernelpolicy.kernelize`:
@@ -50,10 +53,11 @@ import inspect
 import sys
 from typing import TYPE_CHECKING, Any, final
 
+import torch
 from torch.compiler import is_dynamo_compiling as _is_dynamo
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-from ._active import DEFAULTS, ensure_env
+from ._active import DEFAULTS, RECOMPUTED_WITH_GRAD, ensure_env
 from ._scope import kernel_policy
 
 if TYPE_CHECKING:
@@ -92,23 +96,36 @@ def checkpoint(
     if _is_dynamo():
         return run(function, *args, **kwargs)
     ensure_env()
-    return run(_Replay(function, DEFAULTS.active._current.policy), *args, **kwargs)
+    return run(_Replay(function, DEFAULTS.active._current.policy, torch.is_grad_enabled()), *args, **kwargs)
 
 
 @final
 class _Replay:
-    """``function`` run under ``policy``: what :func:`checkpoint` hands the checkpoint function."""
+    """``function`` run under ``policy``: what :func:`checkpoint` hands the checkpoint function.
 
-    __slots__ = ("function", "policy", "scope")
+    ``grad``: whether grad was enabled where the checkpoint was taken. A
+    reentrant checkpoint runs its forward pass under ``no_grad`` and its
+    recomputation with grad; a kernel without backward, which the forward pass
+    alone would allow, must give way in both (see ``_dispatch.autograd_records``).
+    """
 
-    def __init__(self, function: Callable[..., Any], policy: Policy) -> None:
+    __slots__ = ("function", "grad", "policy", "scope")
+
+    def __init__(self, function: Callable[..., Any], policy: Policy, grad: bool) -> None:
         self.function = function
         self.policy = policy
+        self.grad = grad
         self.scope = kernel_policy(policy)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         with self.scope:
-            return self.function(*args, **kwargs)
+            if not self.grad or torch.is_grad_enabled():
+                return self.function(*args, **kwargs)
+            token = RECOMPUTED_WITH_GRAD.set(True)
+            try:
+                return self.function(*args, **kwargs)
+            finally:
+                RECOMPUTED_WITH_GRAD.reset(token)
 
     def __repr__(self) -> str:
         return f"<{self.function!r} under {self.policy}>"

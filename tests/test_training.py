@@ -387,3 +387,25 @@ def test_gradcheck_in_float64_through_both_paths(softsign_repo: Path, mode: str,
 
         assert torch.autograd.gradcheck(run, (x, layer.weight))
         assert torch.autograd.gradgradcheck(run, (x, layer.weight))
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_kernel_without_backward_gives_way_in_both_passes_of_a_checkpoint(
+    kernelized: Callable[..., DemoModel], reentrant: bool
+) -> None:
+    model = kernelized("no_backward").train()  # kernels binds no such kernel for mode="training"
+    expected, _ = _train_step(model, _plain, _PREFER, "after the scope")
+    before = kernel_calls(model)
+    grads, recomputed = _train_step(
+        model, _checkpointed(checkpoint, use_reentrant=reentrant), _PREFER, "after the scope"
+    )
+    _assert_same(grads, expected)
+    assert kernel_calls(model) - before == recomputed == 0  # the original in the forward pass and the recomputation
+    # Without the replay a reentrant forward pass runs under no_grad and takes the kernel, its recomputation not.
+    x = X.clone().requires_grad_()
+    with kp.record_calls() as calls:
+        _checkpointed(torch_checkpoint, use_reentrant=True)(model, x).sum().backward()
+    assert calls.by_layer() == {"RMSNorm": {"kernel": 2, "original": 3}}
+    with torch.no_grad(), kp.record_calls() as calls:  # no grad where the checkpoint is taken: the kernel is fine
+        _checkpointed(checkpoint, use_reentrant=reentrant)(model, X)
+    assert calls.by_layer() == {"RMSNorm": {"kernel": 3}}
