@@ -40,7 +40,7 @@ __all__ = [
 ]
 
 
-def noop_kernel_source(*, can_torch_compile: bool) -> str:
+def noop_kernel_source(*, can_torch_compile: bool, has_backward: bool = True) -> str:
     """``layers.py`` of a kernel repository with a ``Noop`` layer whose forward returns its input."""
     return f"""
         from torch import nn
@@ -48,6 +48,7 @@ def noop_kernel_source(*, can_torch_compile: bool) -> str:
 
         class Noop(nn.Module):
             can_torch_compile = {can_torch_compile!r}
+            has_backward = {has_backward!r}
 
             def forward(self, x):
                 return x
@@ -107,8 +108,9 @@ class KernelRepos:
             self._repos[key] = found
         return found
 
-    def noop(self, *, can_torch_compile: bool) -> Path:
-        return self.repo(f"noop-ctc{int(can_torch_compile)}", noop_kernel_source(can_torch_compile=can_torch_compile))
+    def noop(self, *, can_torch_compile: bool, has_backward: bool = True) -> Path:
+        source = noop_kernel_source(can_torch_compile=can_torch_compile, has_backward=has_backward)
+        return self.repo(f"noop-ctc{int(can_torch_compile)}-bwd{int(has_backward)}", source)
 
     def rms_norm(self, *, can_torch_compile: bool) -> Path:
         source = rms_norm_kernel_source(can_torch_compile=can_torch_compile)
@@ -197,6 +199,9 @@ def noop_modules(repos: KernelRepos) -> dict[str, nn.Module]:
         "direct_again": repos.kernels_kernelize(NoopLayer(), "Noop", repo_ctc),
         "policy_ctc": repos.policy_kernelize(NoopLayer(), "Noop", repo_ctc),
         "policy_plain": repos.policy_kernelize(NoopLayer(), "Noop", repos.noop(can_torch_compile=False)),
+        "policy_no_backward": repos.policy_kernelize(
+            NoopLayer(), "Noop", repos.noop(can_torch_compile=True, has_backward=False)
+        ),
         "custom_op": CustomOpNoop(kernel_forward),
         "seed": seed_bind(NoopLayer(), kernel_forward),
         "plain": NoopLayer(),

@@ -79,11 +79,13 @@ def eager_noop(ctx: RunContext) -> Section:
         modules[k] for k in ("direct", "direct_again", "policy_ctc", "policy_plain")
     )
     custom_op, seed, plain = modules["custom_op"], modules["seed"], modules["plain"]
+    no_backward = modules["policy_no_backward"]
     section.info["kernelpolicy forward, can_torch_compile=True"] = _layers.dispatch_variant(policy_ctc)
     section.info["kernelpolicy forward, can_torch_compile=False"] = _layers.dispatch_variant(policy_plain)
+    section.info["kernelpolicy forward, has_backward=False"] = _layers.dispatch_variant(no_backward)
 
     x = torch.zeros(1)
-    for module in (direct, policy_ctc, policy_plain, custom_op, seed, plain):
+    for module in (direct, policy_ctc, policy_plain, no_backward, custom_op, seed, plain):
         if module(x) is not x:
             raise RuntimeError(f"{type(module).__name__} did not return its input")
 
@@ -96,6 +98,7 @@ def eager_noop(ctx: RunContext) -> Section:
         Variant("(a') kernels direct binding, second instance (A/A control)", "m(x)", call(direct_again)),
         Variant("(b) kernelpolicy prefer, can_torch_compile=True", "m(x)", call(policy_ctc)),
         Variant("(b) kernelpolicy prefer, can_torch_compile=False", "m(x)", call(policy_plain)),
+        Variant("(b) kernelpolicy prefer, has_backward=False", "m(x)", call(no_backward)),
         Variant("(b) kernelpolicy under kernels_disabled()", "m(x)", call(policy_ctc), context=kernels_disabled),
         Variant(
             "(b) kernelpolicy under kernel_policy(Other='disable')",
@@ -110,6 +113,18 @@ def eager_noop(ctx: RunContext) -> Section:
     ]
     section.groups.append(
         measure("no-op layer, module(x)", variants, baseline=baseline, settings=ctx.settings, outer=torch.no_grad)
+    )
+    # With grad enabled a kernel without backward asks whether autograd records the call (it does not here:
+    # x needs no grad, the layer has no parameters, so the kernel runs); the other variants ask nothing.
+    if no_backward(x) is not x:
+        raise RuntimeError("the kernel without backward did not run with grad enabled and nothing requiring grad")
+    grad_variants = [
+        Variant(baseline, "m(x)", call(direct)),
+        Variant("(b) kernelpolicy prefer, can_torch_compile=True", "m(x)", call(policy_ctc)),
+        Variant("(b) kernelpolicy prefer, has_backward=False", "m(x)", call(no_backward)),
+    ]
+    section.groups.append(
+        measure("no-op layer, module(x), grad enabled", grad_variants, baseline=baseline, settings=ctx.settings)
     )
     return section
 
