@@ -99,15 +99,24 @@ def test_compile_matrix(
         assert x.grad is not None and torch.isfinite(x.grad).all()
 
 
+@pytest.mark.parametrize("training", [True, False])
 @pytest.mark.parametrize("fullgraph", [True, False])
-def test_kernel_without_backward_in_compiled_training(kernelized: Callable[..., DemoModel], fullgraph: bool) -> None:
-    model = kernelized("no_backward").train()
+def test_kernel_without_backward_follows_autograd_when_compiled(
+    kernelized: Callable[..., DemoModel], fullgraph: bool, training: bool
+) -> None:
+    model = kernelized("no_backward").train(training)
     backend = CountingBackend()
     compiled = torch.compile(model, backend=backend, fullgraph=fullgraph)
-    assert not kernel_ran(compiled(X))  # training with grad: original forward
+    out = compiled(X)
+    assert not kernel_ran(out) and out.grad_fn is not None  # grad enabled, parameters require grad: original
     with torch.no_grad():
         assert kernel_ran(compiled(X))  # no grad: the kernel is usable, a second graph
     assert backend.compiles == 2
+    model.requires_grad_(False)  # frozen: recorded only when the input requires grad
+    assert kernel_ran(compiled(X))
+    assert not kernel_ran(compiled(X.clone().requires_grad_()))
+    with torch.no_grad():
+        assert kernel_ran(compiled(X))
     assert graph_breaks() == 0
 
 
