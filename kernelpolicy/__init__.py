@@ -67,6 +67,12 @@ _LAZY = {
 }
 
 
+#: Features that plug into the core through its hook lists (``_binding.ATTACH_HOOKS`` and ``NO_ORIGINAL``,
+#: ``_explain.ROW_SOURCES`` and ``UNGOVERNED_SOURCES``) when imported: imported here, with the first name
+#: that needs torch, so that they are in place before any module is bound or explained.
+_FEATURES = ("._transformers", ".training")
+
+
 def __getattr__(name: str) -> Any:
     if name == "Mode":  # the name until 0.1.0's renaming; it read as kernels.Mode
         import warnings
@@ -81,6 +87,8 @@ def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'kernelpolicy' has no attribute {name!r}")
+    for feature in _FEATURES:
+        importlib.import_module(feature, __name__)
     value = getattr(importlib.import_module(module, __name__), name)
     globals()[name] = value
     return value

@@ -29,6 +29,18 @@ with the same name and module. That subclass:
 The dispatcher itself is an instance attribute (``module.__dict__["forward"]``,
 a plain closure built by ``_dispatch.make_forward``), so ``module(x)`` pays no
 descriptor call.
+
+Features plug in here, and only here, through two hook lists they append to
+when imported (the package imports them before its first binding): this module
+imports none of them.
+
+- :data:`ATTACH_HOOKS`: called at the end of :func:`attach` as
+  ``hook(model, options)``, ``options`` being ``attach``'s feature options
+  (``attention_fallback``); transformers' attention kernels, activation
+  checkpointing.
+- :data:`NO_ORIGINAL`: called for each class forward a module is bound with,
+  as ``check(forward)``; a string says why there is no original forward
+  (transformers' fused layouts), and a call that would run it raises.
 """
 
 from __future__ import annotations
@@ -57,12 +69,14 @@ from ._active import DEFAULTS, ensure_env
 from ._dispatch import Binding, make_forward
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterator
+    from collections.abc import Callable, Iterator, Mapping
 
     from kernels import KernelizeFallback
     from kernels import Mode as KernelsMode
 
 __all__ = [
+    "ATTACH_HOOKS",
+    "NO_ORIGINAL",
     "attach",
     "binding_of",
     "kernel_modules",
@@ -81,6 +95,11 @@ _AWARE_CLASSES: weakref.WeakKeyDictionary[type[nn.Module], weakref.ref[type[nn.M
 
 T = TypeVar("T")
 M = TypeVar("M", bound=nn.Module)
+
+#: ``hook(model, options)``, called at the end of :func:`attach` (see the module docstring).
+ATTACH_HOOKS: list[Callable[[nn.Module, Mapping[str, Any]], None]] = []
+#: ``check(class_forward) -> reason or None``: why a module has no original forward (see the module docstring).
+NO_ORIGINAL: list[Callable[[Callable[..., Any]], str | None]] = []
 
 
 def binding_of(module: nn.Module) -> Binding | None:
@@ -136,13 +155,9 @@ def attach(model: M, *, attention_fallback: str | None = None) -> M:
     ensure_env()
     for name, module in kernel_modules(model):
         _make_aware(module, name or None)
-    if "transformers" in sys.modules:  # no transformers model exists unless it is imported
-        from ._transformers import attach_attention
-
-        attach_attention(model, attention_fallback)
-    from .training import attach_checkpointing
-
-    attach_checkpointing(model)
+    options = {"attention_fallback": attention_fallback}
+    for hook in ATTACH_HOOKS:
+        hook(model, options)
     return model
 
 
@@ -258,11 +273,7 @@ def _bind(module: nn.Module, assigned: Any, path: str | None) -> None:
             bound = assigned
             kernel = functools.wraps(bound)(lambda _module, *args, **kwargs: bound(*args, **kwargs))
     kernel_class, repository = _kernel_origin(kernel)
-    no_original = None
-    if "transformers" in sys.modules:  # a fused layout exists only once transformers is imported
-        from ._transformers import FUSED, fused_layout
-
-        no_original = FUSED if fused_layout(original) else None
+    no_original = next((reason for check in NO_ORIGINAL if (reason := check(original)) is not None), None)
     binding = Binding(
         module=module,
         path=path,

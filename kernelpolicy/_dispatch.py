@@ -75,7 +75,6 @@ from . import _state
 from ._active import DEFAULTS, RECOMPUTED_WITH_GRAD, RECORDERS, UNRECORDED, register_layer_name
 from ._compat import DYNAMO_DISABLE_MARK
 from ._errors import KernelMismatchError, KernelUnavailableError, OriginalUnavailableError, unavailable_message
-from .distributed import _LOCAL_SHARDS, call_on_local_shards
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -85,7 +84,7 @@ if TYPE_CHECKING:
     from ._policy import PolicyMode
     from ._state import ExecutionState
 
-__all__ = ["Binding", "Path", "autograd_records", "decide", "make_forward"]
+__all__ = ["LOCAL_SHARDS", "Binding", "Path", "autograd_records", "decide", "make_forward"]
 
 logger = logging.getLogger("kernelpolicy")
 
@@ -332,12 +331,13 @@ class Binding:
             self._record(recorders, "kernel", reason, error)
             raise error
         self.dtensor_failure = str(error)
-        if self.layer_name in _LOCAL_SHARDS:
+        on_local_shards = LOCAL_SHARDS.get(self.layer_name)
+        if on_local_shards is not None:
             assert self.kernel is not None
             self._record(recorders, "kernel", ON_LOCAL_SHARDS)
             if mode == "verify":
                 self._log_once("not verified", logging.WARNING, "verify does not compare kernels run on local shards")
-            return call_on_local_shards(self.kernel, self.module, args, kwargs)
+            return on_local_shards(self.kernel, self.module, args, kwargs)
         reason = f"{NO_SHARDING}: {error}"
         if mode == "require":
             self._record(recorders, "error", NO_SHARDING)
@@ -422,6 +422,9 @@ class Binding:
 
 NO_SHARDING: Final = "kernel cannot run on DTensor inputs (its op has no sharding strategy)"
 ON_LOCAL_SHARDS: Final = "kernel run on local shards (declared with kernelpolicy.distributed.run_on_local_shards)"
+#: Kernel layer name -> how its kernel runs on local shards when its op has no DTensor sharding strategy:
+#: ``run(kernel, module, args, kwargs)``. Registered by :func:`kernelpolicy.distributed.run_on_local_shards`.
+LOCAL_SHARDS: dict[str, Callable[[Callable[..., Any], nn.Module, tuple[Any, ...], dict[str, Any]], Any]] = {}
 
 
 def _no_sharding_strategy(error: NotImplementedError, where: tuple[Any, ...]) -> bool:

@@ -5,6 +5,12 @@ the path query for modeling code. Both ask what the forward asks (the same
 decision function, ``_dispatch.decide``, with the policy, execution state and
 autograd state of the caller; under TorchDynamo the same guarded reads), so
 what they say is what a call made at the same place would do.
+
+Features add what they know through two hook lists they append to when
+imported (this module imports none of them): :data:`ROW_SOURCES`, rows for
+kernels beyond a model's marked modules (transformers' attention kernel), and
+:data:`UNGOVERNED_SOURCES`, hub kernels loaded in the process that no policy
+reaches (transformers' lazily loaded ones).
 """
 
 from __future__ import annotations
@@ -17,13 +23,11 @@ from torch.compiler import is_dynamo_compiling as _is_dynamo
 
 from ._active import DEFAULTS, UNRECORDED, current_policy
 from ._binding import BINDING, binding_of, kernel_modules
-from ._dispatch import NO_SHARDING, Binding, autograd_records, has_dtensor
+from ._dispatch import LOCAL_SHARDS, NO_SHARDING, Binding, has_dtensor
 from ._state import ExecutionState, execution_state
-from ._transformers import ATTENTION, ROW, hub_attention_of, lazily_loaded
-from .distributed import local_shard_layers
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
+    from collections.abc import Callable, Iterable, Iterator
 
     from torch import nn
 
@@ -31,7 +35,27 @@ if TYPE_CHECKING:
     from ._dispatch import Path
     from ._policy import PolicyMode
 
-__all__ = ["Explanation", "LayerRow", "explain", "will_use_kernel"]
+__all__ = ["ROW_SOURCES", "UNGOVERNED_SOURCES", "Explanation", "LayerRow", "Ungoverned", "explain", "will_use_kernel"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Ungoverned:
+    """A kernel in a model that no policy reaches (not policy-aware), as :func:`explain` shows it."""
+
+    layer_name: str
+    module_class: str
+    kernel: str | None
+    reason: str
+
+    @property
+    def path(self) -> Path:
+        return "original" if self.kernel is None else "kernel"
+
+
+#: ``source(model) -> [(row name, Binding or Ungoverned)]``: kernels beyond the marked modules (feature hooks).
+ROW_SOURCES: list[Callable[[nn.Module], Iterable[tuple[str, Binding | Ungoverned]]]] = []
+#: ``source() -> kernel names``: hub kernels loaded in this process that no policy reaches (feature hooks).
+UNGOVERNED_SOURCES: list[Callable[[], Iterable[str]]] = []
 
 
 def will_use_kernel(module: nn.Module, *args: Any, **kwargs: Any) -> bool:
@@ -66,13 +90,9 @@ def will_use_kernel(module: nn.Module, *args: Any, **kwargs: Any) -> bool:
             f"kernelize or attach), got {type(module).__module__}.{type(module).__qualname__}"
         )
     active = DEFAULTS.active._current
-    if _is_dynamo():  # as the compiled forward: the kernel is on, traceable, and has what autograd needs
-        return (
-            binding.kernel is not None
-            and binding.can_torch_compile
-            and bool(getattr(active.kernel_on, binding.layer_name))
-            and (binding.has_backward or not autograd_records(module, args, kwargs))
-        )
+    if _is_dynamo():  # the compiled forward's read: whether the kernel is on, not the mode that spells it
+        mode: PolicyMode = "prefer" if getattr(active.kernel_on, binding.layer_name) else "disable"
+        return binding.decide(mode, "compile", args, kwargs)[0] == "kernel"
     entry = getattr(active.modes, binding.layer_name)
     return binding.decide(UNRECORDED.get(entry, entry), execution_state(), args, kwargs)[0] == "kernel"
 
@@ -189,71 +209,63 @@ def explain(model: nn.Module, *, calls: CallCounts | None = None) -> Explanation
     policy = current_policy()
     state = execution_state()
     recorded = calls.by_module() if calls is not None else None
-    rows = []
-    for name, module in kernel_modules(model):
-        layer_name = str(type(module).kernel_layer_name)  # type: ignore[attr-defined]
-        mode = policy.mode_for(layer_name)
-        binding = binding_of(module)
-        if binding is not None:
-            rows.append(_row(name, binding, mode, state, recorded))
-        else:
-            bound = module.__dict__.get("forward")
-            has_kernel = isinstance(bound, types.MethodType) and bound.__func__ is not type(module).forward
-            cls = type(module)
-            rows.append(
-                LayerRow(
-                    name=name,
-                    layer_name=layer_name,
-                    module_class=f"{cls.__module__}.{cls.__qualname__}",
-                    kernel=getattr(bound, "__qualname__", None) if has_kernel else None,
-                    can_torch_compile=False,
-                    has_backward=True,
-                    mode=mode,
-                    path="kernel" if has_kernel else "original",
-                    reason="not policy-aware: call kernelpolicy.attach(model)",
-                    policy_aware=False,
-                )
-            )
-    attention = hub_attention_of(model)
-    if attention is not None:
-        kernel_name, hub = attention
-        mode = policy.mode_for(ATTENTION)
-        hub_binding = binding_of(hub) if hub is not None else None
-        if hub_binding is not None:
-            rows.append(_row(ROW, hub_binding, mode, state, recorded))
-        else:
-            rows.append(
-                LayerRow(
-                    name=ROW,
-                    layer_name=ATTENTION,
-                    module_class="transformers ALL_ATTENTION_FUNCTIONS",
-                    kernel=kernel_name,
-                    can_torch_compile=False,
-                    has_backward=True,
-                    mode=mode,
-                    path="kernel",
-                    reason="not policy-aware (registered by transformers since): call kernelpolicy.attach(model)",
-                    policy_aware=False,
-                )
-            )
+    entries = [*_marked(model), *(entry for source in ROW_SOURCES for entry in source(model))]
+    rows = tuple(_row(name, found, policy.mode_for(found.layer_name), state, recorded) for name, found in entries)
     present = {row.layer_name for row in rows}
     unmatched = tuple(f"{name}={mode}" for name, mode in sorted(policy.layers.items()) if name not in present)
-    return Explanation(
-        rows=tuple(rows), policy=str(policy), state=state, unmatched=unmatched, ungoverned=lazily_loaded()
-    )
+    ungoverned = tuple(name for source in UNGOVERNED_SOURCES for name in source())
+    return Explanation(rows=rows, policy=str(policy), state=state, unmatched=unmatched, ungoverned=ungoverned)
+
+
+def _marked(model: nn.Module) -> Iterator[tuple[str, Binding | Ungoverned]]:
+    """The kernel-capable modules of ``model``: their binding, or what kernels bound without kernelpolicy."""
+    for name, module in kernel_modules(model):
+        binding = binding_of(module)
+        if binding is not None:
+            yield name, binding
+            continue
+        bound = module.__dict__.get("forward")
+        has_kernel = isinstance(bound, types.MethodType) and bound.__func__ is not type(module).forward
+        cls = type(module)
+        yield (
+            name,
+            Ungoverned(
+                layer_name=str(cls.kernel_layer_name),  # type: ignore[attr-defined]
+                module_class=f"{cls.__module__}.{cls.__qualname__}",
+                kernel=getattr(bound, "__qualname__", None) if has_kernel else None,
+                reason="not policy-aware: call kernelpolicy.attach(model)",
+            ),
+        )
 
 
 def _row(
-    name: str, binding: Binding, mode: PolicyMode, state: ExecutionState, recorded: dict[str, dict[str, int]] | None
+    name: str,
+    found: Binding | Ungoverned,
+    mode: PolicyMode,
+    state: ExecutionState,
+    recorded: dict[str, dict[str, int]] | None,
 ) -> LayerRow:
-    path, reason = _on_dtensor(binding, mode, *binding.decide(mode, state))
+    if isinstance(found, Ungoverned):
+        return LayerRow(
+            name=name,
+            layer_name=found.layer_name,
+            module_class=found.module_class,
+            kernel=found.kernel,
+            can_torch_compile=False,
+            has_backward=True,
+            mode=mode,
+            path=found.path,
+            reason=found.reason,
+            policy_aware=False,
+        )
+    path, reason = _on_dtensor(found, mode, *found.decide(mode, state))
     return LayerRow(
         name=name,
-        layer_name=binding.layer_name,
-        module_class=binding.module_class,
-        kernel=binding.kernel_name(),
-        can_torch_compile=binding.can_torch_compile,
-        has_backward=binding.has_backward,
+        layer_name=found.layer_name,
+        module_class=found.module_class,
+        kernel=found.kernel_name(),
+        can_torch_compile=found.can_torch_compile,
+        has_backward=found.has_backward,
         mode=mode,
         path=path,
         reason=reason,
@@ -269,7 +281,7 @@ def _on_dtensor(binding: Binding, mode: PolicyMode, path: Path, reason: str) -> 
     parameters = has_dtensor(binding.module)
     if binding.dtensor_failure is None and not parameters:
         return path, reason
-    if binding.layer_name in local_shard_layers():
+    if binding.layer_name in LOCAL_SHARDS:
         return path, f"{reason}; on DTensor without a sharding strategy it runs on local shards"
     if binding.dtensor_failure is None:
         return path, f"{reason} if its op has a sharding strategy for these DTensor parameters"

@@ -47,11 +47,14 @@ from torch import nn
 from torch.compiler import is_dynamo_compiling as _is_dynamo
 
 from ._active import DEFAULTS, UNRECORDED
-from ._binding import _make_class_aware, binding_of
+from ._binding import ATTACH_HOOKS, NO_ORIGINAL, _make_class_aware, binding_of
 from ._errors import PolicyError
+from ._explain import ROW_SOURCES, UNGOVERNED_SOURCES, Ungoverned
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Mapping
+
+    from ._dispatch import Binding
 
 __all__ = [
     "ATTENTION",
@@ -272,3 +275,31 @@ def fused_layout(original: Callable[..., Any]) -> bool:
         and code.co_name == "_noop_forward"
         and code.co_filename.replace("\\", "/").endswith("transformers/integrations/hub_kernels.py")
     )
+
+
+def _on_attach(model: nn.Module, options: Mapping[str, Any]) -> None:
+    if "transformers" in sys.modules:  # no transformers model exists unless it is imported
+        attach_attention(model, options.get("attention_fallback"))
+
+
+def _no_original(original: Callable[..., Any]) -> str | None:
+    return FUSED if "transformers" in sys.modules and fused_layout(original) else None
+
+
+def _attention_rows(model: nn.Module) -> list[tuple[str, Binding | Ungoverned]]:
+    """``explain``'s row for the model's hub attention kernel, if it has one."""
+    found = hub_attention_of(model)
+    if found is None:
+        return []
+    kernel_name, hub = found
+    binding = binding_of(hub) if hub is not None else None
+    if binding is not None:
+        return [(ROW, binding)]
+    reason = "not policy-aware (registered by transformers since): call kernelpolicy.attach(model)"
+    return [(ROW, Ungoverned(ATTENTION, "transformers ALL_ATTENTION_FUNCTIONS", kernel_name, reason))]
+
+
+ATTACH_HOOKS.append(_on_attach)
+NO_ORIGINAL.append(_no_original)
+ROW_SOURCES.append(_attention_rows)
+UNGOVERNED_SOURCES.append(lazily_loaded)

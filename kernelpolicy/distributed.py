@@ -101,9 +101,6 @@ def broadcast_policy(src: int = 0, *, group: Any = None) -> kernel_policy:
     return kernel_policy(Policy.parse(box[0], source=f"rank {src}'s policy"))
 
 
-_LOCAL_SHARDS: set[str] = set()
-
-
 def run_on_local_shards(*layer_names: str, enabled: bool = True) -> None:
     """Declare that the kernels of ``layer_names`` compute every shard on its own (process-wide).
 
@@ -128,16 +125,20 @@ def run_on_local_shards(*layer_names: str, enabled: bool = True) -> None:
     ['RMSNorm']
     >>> kernelpolicy.distributed.run_on_local_shards("RMSNorm", enabled=False)
     """
-    names = [check_layer_name(name) for name in layer_names]
-    if enabled:
-        _LOCAL_SHARDS.update(names)
-    else:
-        _LOCAL_SHARDS.difference_update(names)
+    from ._dispatch import LOCAL_SHARDS
+
+    for name in [check_layer_name(name) for name in layer_names]:
+        if enabled:
+            LOCAL_SHARDS[name] = call_on_local_shards
+        else:
+            LOCAL_SHARDS.pop(name, None)
 
 
 def local_shard_layers() -> frozenset[str]:
     """The layer names declared with :func:`run_on_local_shards`."""
-    return frozenset(_LOCAL_SHARDS)
+    from ._dispatch import LOCAL_SHARDS
+
+    return frozenset(LOCAL_SHARDS)
 
 
 def call_on_local_shards(

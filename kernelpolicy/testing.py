@@ -328,7 +328,7 @@ def kernelized_demo_model(
     mapping = {"RMSNorm": {"cpu": kernels.LocalLayerRepository(repo_path=repo, layer_name="RMSNorm")}}
     model = DemoModel(hidden).eval()
     with kernels.use_kernel_mapping(mapping):
-        from ._binding import kernelize
+        import kernelpolicy  # the facade: the features are plugged in before the first binding
 
-        kernelize(model, mode="inference", device="cpu")
+        kernelpolicy.kernelize(model, mode="inference", device="cpu")
     yield model

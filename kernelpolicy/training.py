@@ -58,10 +58,11 @@ from torch.compiler import is_dynamo_compiling as _is_dynamo
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from ._active import DEFAULTS, RECOMPUTED_WITH_GRAD, ensure_env
+from ._binding import ATTACH_HOOKS
 from ._scope import kernel_policy
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Mapping
 
     from torch import nn
 
@@ -145,8 +146,8 @@ _TRANSFORMERS_SETTER = "_set_gradient_checkpointing"
 _WRAPPER_MODULE = "torch.distributed.algorithms._checkpoint.checkpoint_wrapper"
 
 
-def attach_checkpointing(model: nn.Module) -> None:
-    """Make the activation checkpointing of ``model`` replay the policy (see the module docstring)."""
+def attach_checkpointing(model: nn.Module, options: Mapping[str, Any] | None = None) -> None:
+    """Make the activation checkpointing of ``model`` replay the policy (an ``attach`` hook; see the module docstring)."""
     transformers = "transformers" in sys.modules
     wrapper_module = sys.modules.get(_WRAPPER_MODULE)
     wrapper = getattr(wrapper_module, "CheckpointWrapper", None)
@@ -193,3 +194,6 @@ class _ReplayingSetter:
 
     def __reduce__(self) -> tuple[object, ...]:
         return (_ReplayingSetter, (self.model,))
+
+
+ATTACH_HOOKS.append(attach_checkpointing)
