@@ -22,7 +22,8 @@ import threading
 from typing import TYPE_CHECKING, final
 
 from ._active import RECORDERS
-from ._scope import kernel_policy
+from ._scope import _recording_scope
+from ._text import table
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -87,10 +88,7 @@ class CallCounts:
             for (module, layer, path, reason, raised), calls in items
         ]
         header = ("module", "layer", "path", "reason", *(("raised",) if with_raised else ()), "calls")
-        widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-        return "\n".join(
-            "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in [header, *rows]
-        )
+        return "\n".join(table(header, rows))
 
     def __repr__(self) -> str:
         return f"CallCounts({self.by_layer()!r})"
@@ -114,8 +112,5 @@ def record_calls() -> Iterator[CallCounts]:
     Nested blocks each count what runs inside them.
     """
     counts = CallCounts()
-    scope = kernel_policy()
-    scope._recording = True
-    scope._recorders = (*RECORDERS.get(), counts)
-    with scope:
+    with _recording_scope(None, recording=True, recorders=(*RECORDERS.get(), counts)):
         yield counts

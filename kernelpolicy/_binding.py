@@ -496,10 +496,7 @@ def _aware_members(cls: type[nn.Module]) -> dict[str, Any]:
         new = cls.__new__(cls)
         memo[id(self)] = new
         new.__dict__.update(copy.deepcopy(_own_state(self), memo))
-        kernel = binding.kernel if binding is not None else None
-        if kernel is not None:
-            new.__dict__["forward"] = types.MethodType(kernel, new)
-        _make_aware(new, _path(self))
+        _rebind(new, binding.kernel if binding is not None else None, _path(self))
         return new
 
     members: dict[str, Any] = {
@@ -528,6 +525,13 @@ def _path(module: nn.Module) -> str | None:
     return binding.path if binding is not None else None
 
 
+def _rebind(module: nn.Module, kernel: Callable[..., Any] | None, path: str | None) -> None:
+    """Make a copied or unpickled ``module`` policy-aware again, with ``kernel`` bound as kernels binds it."""
+    if kernel is not None:
+        module.__dict__["forward"] = types.MethodType(kernel, module)
+    _make_aware(module, path)
+
+
 def _restore(
     cls: type[nn.Module],
     state: dict[str, Any],
@@ -537,9 +541,7 @@ def _restore(
 ) -> nn.Module:
     module = cls.__new__(cls)
     module.__setstate__(state)  # type: ignore[no-untyped-call]
-    if kernel is not None:
-        module.__dict__["forward"] = types.MethodType(kernel, module)
-    _make_aware(module, path)
+    _rebind(module, kernel, path)
     binding = binding_of(module)
     if binding is not None and binding.kernel is None:
         binding.dropped = dropped

@@ -75,6 +75,7 @@ from . import _state
 from ._active import DEFAULTS, RECOMPUTED_WITH_GRAD, RECORDERS, UNRECORDED, register_layer_name
 from ._compat import DYNAMO_DISABLE_MARK
 from ._errors import KernelMismatchError, KernelUnavailableError, OriginalUnavailableError, unavailable_message
+from ._verify import tensors_in
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -143,7 +144,7 @@ def autograd_records(module: nn.Module, args: tuple[Any, ...] = (), kwargs: dict
             children.extend(grandchild for grandchild in child._modules.values() if grandchild is not None)
     if kwargs:
         nested.append(kwargs)
-    return bool(nested) and any(t.requires_grad for t in _tensors(nested))
+    return bool(nested) and any(t.requires_grad for t in tensors_in(nested))
 
 
 def decide(
@@ -377,7 +378,7 @@ class Binding:
         policy = DEFAULTS.active._current.policy
         kernel = self.kernel
         assert kernel is not None
-        devices = sorted({t.device.index or 0 for t in _tensors((args, kwargs)) if t.is_cuda})
+        devices = sorted({t.device.index or 0 for t in tensors_in((args, kwargs)) if t.is_cuda})
         buffers = BufferState(self.module)
         try:
             with torch.no_grad(), torch.random.fork_rng(devices=devices):
@@ -432,7 +433,7 @@ def _no_sharding_strategy(error: NotImplementedError, where: tuple[Any, ...]) ->
     if "does not have a sharding strategy registered" not in str(error):
         return False
     args, kwargs, module = where
-    return has_dtensor(module) or any(_is_dtensor(t) for t in [*_tensors(args), *_tensors(kwargs)])
+    return has_dtensor(module) or any(_is_dtensor(t) for t in tensors_in((args, kwargs)))
 
 
 def has_dtensor(module: nn.Module) -> bool:
@@ -454,16 +455,6 @@ def _raise_unavailable(binding: Binding, reason: str) -> None:
 # instead of tracing it. Set directly, since ``torch.compiler.disable`` imports TorchDynamo
 # (over a second) at import time. See ``_compat.DYNAMO_DISABLE_MARK``.
 setattr(_raise_unavailable, DYNAMO_DISABLE_MARK, True)
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for item in value for t in _tensors(item)]
-    if isinstance(value, dict):
-        return [t for item in value.values() for t in _tensors(item)]
-    return []
 
 
 def _class_name(module: nn.Module) -> str:

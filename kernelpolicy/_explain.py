@@ -25,6 +25,7 @@ from ._active import DEFAULTS, UNRECORDED, current_policy
 from ._binding import BINDING, binding_of, kernel_modules
 from ._dispatch import LOCAL_SHARDS, NO_SHARDING, Binding, has_dtensor
 from ._state import ExecutionState, execution_state
+from ._text import table
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Iterator
@@ -169,10 +170,7 @@ class Explanation:
             )
             for row in self.rows
         ]
-        widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
-        lines = [f"policy: {self.policy}   state: {self.state}"]
-        for line in [header, tuple("-" * w for w in widths), *body]:
-            lines.append("  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip())
+        lines = [f"policy: {self.policy}   state: {self.state}", *table(header, body, rule=True)]
         if self.unmatched:
             lines.append(f"policy entries naming no kernel layer of this model: {', '.join(self.unmatched)}")
         if self.ungoverned:

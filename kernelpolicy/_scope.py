@@ -348,6 +348,17 @@ def set_default_policy(mode: PolicyMode | Policy | None = None, /, **layers: Any
     return previous
 
 
+def _recording_scope(policy: Policy | None, *, recording: bool | None, recorders: tuple[Any, ...]) -> kernel_policy:
+    """A scope that also switches call recording and installs ``recorders`` (for record_calls and propagate).
+
+    ``policy`` None keeps the enclosing policy; ``recording`` None keeps the enclosing recording state.
+    """
+    scope = kernel_policy() if policy is None else kernel_policy(policy)
+    scope._recording = recording
+    scope._recorders = recorders
+    return scope
+
+
 def propagate(fn: F) -> F:
     """Wrap ``fn`` to run under the policy in effect now, wherever it is called.
 
@@ -369,10 +380,7 @@ def propagate(fn: F) -> F:
     """
     ensure_env()
     current: Active = DEFAULTS.active._current
-    scope = kernel_policy(current.policy)
-    scope._recording = current.recording
-    scope._recorders = RECORDERS.get()
-    wrapped = scope(fn)
+    wrapped = _recording_scope(current.policy, recording=current.recording, recorders=RECORDERS.get())(fn)
     if inspect.iscoroutinefunction(fn) or inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn):
         return wrapped
     return cast("F", _Propagated(fn, current.policy, wrapped))

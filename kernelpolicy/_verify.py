@@ -76,6 +76,13 @@ def map_tensors(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     return value
 
 
+def tensors_in(value: Any) -> list[torch.Tensor]:
+    """Every tensor inside tuples, lists and dicts of ``value``, in order."""
+    found: list[torch.Tensor] = []
+    map_tensors(value, found.append)
+    return found
+
+
 def clone_tensors(value: Any) -> Any:
     """``value`` with every tensor inside tuples, lists and dicts cloned."""
     return map_tensors(value, lambda tensor: tensor.detach().clone())

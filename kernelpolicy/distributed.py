@@ -152,10 +152,9 @@ def call_on_local_shards(
     """
     from torch.distributed.tensor import DTensor
 
-    from ._dispatch import _tensors
-    from ._verify import map_tensors
+    from ._verify import map_tensors, tensors_in
 
-    first = next(t for t in _tensors((args, kwargs)) if isinstance(t, DTensor))
+    first = next(t for t in tensors_in((args, kwargs)) if isinstance(t, DTensor))
     mesh, placements = first.device_mesh, first.placements
 
     def local(value: Any) -> Any:
