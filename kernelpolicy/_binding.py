@@ -249,19 +249,19 @@ def _condition(condition: Callable[[nn.Module], bool] | None, what: str) -> tupl
 # --- making modules and classes aware ---------------------------------------------------------
 
 
-def _make_aware(module: nn.Module, path: str | None) -> None:
+def _make_aware(module: nn.Module, module_name: str | None) -> None:
     existing = binding_of(module)
     if existing is not None:
-        if path is not None and existing.path is None:
-            existing.path = path
+        if module_name is not None and existing.module_name is None:
+            existing.module_name = module_name
         return
     cls = type(module)
     if not getattr(cls, "_kernelpolicy_aware", False):
         module.__class__ = _aware_class(cls)
-    _bind(module, module.__dict__.get("forward"), path)
+    _bind(module, module.__dict__.get("forward"), module_name)
 
 
-def _bind(module: nn.Module, assigned: Any, path: str | None) -> None:
+def _bind(module: nn.Module, assigned: Any, module_name: str | None) -> None:
     """Bind ``assigned`` (what was set as ``module.forward``) as the module's kernel."""
     _skip_as_dynamo_frame()
     original = _class_forward(module)
@@ -276,7 +276,7 @@ def _bind(module: nn.Module, assigned: Any, path: str | None) -> None:
     no_original = next((reason for check in NO_ORIGINAL if (reason := check(original)) is not None), None)
     binding = Binding(
         module=module,
-        path=path,
+        module_name=module_name,
         layer_name=str(type(module).kernel_layer_name),  # type: ignore[attr-defined]
         original=original,
         kernel=kernel,
@@ -457,13 +457,13 @@ def _aware_members(cls: type[nn.Module]) -> dict[str, Any]:
 
     def __setattr__(self: nn.Module, name: str, value: Any) -> None:
         if name == "forward" and BINDING in self.__dict__:
-            _bind(self, value, self.__dict__[BINDING].path)
+            _bind(self, value, self.__dict__[BINDING].module_name)
         else:
             parent_setattr(self, name, value)
 
     def __delattr__(self: nn.Module, name: str) -> None:
         if name == "forward" and BINDING in self.__dict__:
-            _bind(self, None, self.__dict__[BINDING].path)
+            _bind(self, None, self.__dict__[BINDING].module_name)
         else:
             parent_delattr(self, name)
 
@@ -488,7 +488,7 @@ def _aware_members(cls: type[nn.Module]) -> dict[str, Any]:
     def __reduce_ex__(self: nn.Module, protocol: Any) -> Any:
         binding = binding_of(self)
         dropped = binding.kernel_name() if binding is not None else None
-        return (_restore, (_original_class(self), _own_state(self), None, _path(self), dropped))
+        return (_restore, (_original_class(self), _own_state(self), None, _module_name(self), dropped))
 
     def __deepcopy__(self: nn.Module, memo: dict[int, Any]) -> nn.Module:
         binding = binding_of(self)
@@ -496,7 +496,7 @@ def _aware_members(cls: type[nn.Module]) -> dict[str, Any]:
         new = cls.__new__(cls)
         memo[id(self)] = new
         new.__dict__.update(copy.deepcopy(_own_state(self), memo))
-        _rebind(new, binding.kernel if binding is not None else None, _path(self))
+        _rebind(new, binding.kernel if binding is not None else None, _module_name(self))
         return new
 
     members: dict[str, Any] = {
@@ -520,28 +520,28 @@ def _own_state(module: nn.Module) -> dict[str, Any]:
     return {key: value for key, value in module.__dict__.items() if key not in _OURS}
 
 
-def _path(module: nn.Module) -> str | None:
+def _module_name(module: nn.Module) -> str | None:
     binding = binding_of(module)
-    return binding.path if binding is not None else None
+    return binding.module_name if binding is not None else None
 
 
-def _rebind(module: nn.Module, kernel: Callable[..., Any] | None, path: str | None) -> None:
+def _rebind(module: nn.Module, kernel: Callable[..., Any] | None, module_name: str | None) -> None:
     """Make a copied or unpickled ``module`` policy-aware again, with ``kernel`` bound as kernels binds it."""
     if kernel is not None:
         module.__dict__["forward"] = types.MethodType(kernel, module)
-    _make_aware(module, path)
+    _make_aware(module, module_name)
 
 
 def _restore(
     cls: type[nn.Module],
     state: dict[str, Any],
     kernel: Callable[..., Any] | None,
-    path: str | None,
+    module_name: str | None,
     dropped: str | None = None,
 ) -> nn.Module:
     module = cls.__new__(cls)
     module.__setstate__(state)  # type: ignore[no-untyped-call]
-    _rebind(module, kernel, path)
+    _rebind(module, kernel, module_name)
     binding = binding_of(module)
     if binding is not None and binding.kernel is None:
         binding.dropped = dropped

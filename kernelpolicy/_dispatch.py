@@ -196,9 +196,9 @@ class Binding:
         "layer_name",
         "module",
         "module_class",
+        "module_name",
         "no_original",
         "original",
-        "path",
         "repository",
     )
 
@@ -206,7 +206,7 @@ class Binding:
         self,
         *,
         module: nn.Module,
-        path: str | None,
+        module_name: str | None,
         layer_name: str,
         original: Callable[..., Any],
         kernel: Callable[..., Any] | None,
@@ -215,7 +215,7 @@ class Binding:
         no_original: str | None = None,
     ) -> None:
         self.module = module
-        self.path = path
+        self.module_name = module_name
         self.layer_name = layer_name
         register_layer_name(layer_name)
         self.module_class = _class_name(module)
@@ -303,7 +303,9 @@ class Binding:
             # break the graph here so that fullgraph=True fails with this message,
             # and raise from code Dynamo never traces (torch 2.9 traces the code
             # after the break and fails on the raise with an internal error).
-            torch._dynamo.graph_break(msg=unavailable_message(self.path, self.layer_name, self.module_class, reason))
+            torch._dynamo.graph_break(
+                msg=unavailable_message(self.module_name, self.layer_name, self.module_class, reason)
+            )
             _raise_unavailable(self, reason)
         raise self.error(reason)
 
@@ -369,7 +371,7 @@ class Binding:
     def _record(self, recorders: tuple[Any, ...], path: Path, reason: str, error: BaseException | None = None) -> None:
         raised = "" if error is None else type(error).__name__
         for recorder in recorders:
-            recorder.add(self.path, self.layer_name, path, reason, raised)
+            recorder.add(self.module_name, self.layer_name, path, reason, raised)
 
     def verify(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Run the original (on cloned inputs) and the kernel; compare; return the kernel's output."""
@@ -392,7 +394,7 @@ class Binding:
             mismatch = compare(buffers.current(), expected_buffers, rtol=policy.rtol, atol=policy.atol, where="buffers")
         if mismatch is not None:
             error = KernelMismatchError(
-                path=self.path,
+                module_name=self.module_name,
                 layer_name=self.layer_name,
                 module_class=self.module_class,
                 where=mismatch.where,
@@ -410,7 +412,9 @@ class Binding:
 
     def error(self, reason: str) -> KernelUnavailableError:
         cls = OriginalUnavailableError if reason == self.no_original else KernelUnavailableError
-        return cls(path=self.path, layer_name=self.layer_name, module_class=self.module_class, reason=reason)
+        return cls(
+            module_name=self.module_name, layer_name=self.layer_name, module_class=self.module_class, reason=reason
+        )
 
     def _log_fallback(self, reason: str) -> None:
         self._log_once(reason, logging.INFO, f"falls back to its original forward: {reason}")
@@ -418,7 +422,9 @@ class Binding:
     def _log_once(self, key: str, level: int, what: str) -> None:
         if (self.layer_name, key) not in _logged:
             _logged.add((self.layer_name, key))
-            logger.log(level, "kernel layer %r (%s at %r) %s", self.layer_name, self.module_class, self.path, what)
+            logger.log(
+                level, "kernel layer %r (%s at %r) %s", self.layer_name, self.module_class, self.module_name, what
+            )
 
 
 NO_SHARDING: Final = "kernel cannot run on DTensor inputs (its op has no sharding strategy)"

@@ -48,21 +48,21 @@ class PolicyMismatchError(RuntimeError):
 class KernelUnavailableError(RuntimeError):
     """``require`` is in effect for a layer whose kernel cannot run now.
 
-    Attributes name the module (its qualified path in the model when known),
+    Attributes name the module (``module_name``, its qualified name in the model, when known),
     the kernel layer name, the module class and the reason.
     """
 
     __module__ = "kernelpolicy"
 
-    def __init__(self, *, path: str | None, layer_name: str, module_class: str, reason: str) -> None:
-        self.path = path
+    def __init__(self, *, module_name: str | None, layer_name: str, module_class: str, reason: str) -> None:
+        self.module_name = module_name
         self.layer_name = layer_name
         self.module_class = module_class
         self.reason = reason
-        super().__init__(unavailable_message(path, layer_name, module_class, reason))
+        super().__init__(unavailable_message(module_name, layer_name, module_class, reason))
 
     def __reduce__(self) -> tuple[object, ...]:
-        return (_rebuild_unavailable, (self.path, self.layer_name, self.module_class, self.reason))
+        return (_rebuild_unavailable, (self.module_name, self.layer_name, self.module_class, self.reason))
 
 
 class OriginalUnavailableError(KernelUnavailableError):
@@ -75,33 +75,41 @@ class OriginalUnavailableError(KernelUnavailableError):
 
     __module__ = "kernelpolicy"
 
-    def __init__(self, *, path: str | None, layer_name: str, module_class: str, reason: str) -> None:
-        super().__init__(path=path, layer_name=layer_name, module_class=module_class, reason=reason)
-        where = f"module {path!r}" if path else "a module"
+    def __init__(self, *, module_name: str | None, layer_name: str, module_class: str, reason: str) -> None:
+        super().__init__(module_name=module_name, layer_name=layer_name, module_class=module_class, reason=reason)
+        where = f"module {module_name!r}" if module_name else "a module"
         self.args = (f"no original forward for {where} ({module_class}, kernel layer {layer_name!r}): {reason}",)
 
     def __reduce__(self) -> tuple[object, ...]:
-        return (_rebuild_original, (self.path, self.layer_name, self.module_class, self.reason))
+        return (_rebuild_original, (self.module_name, self.layer_name, self.module_class, self.reason))
 
 
-def _rebuild_original(path: str | None, layer_name: str, module_class: str, reason: str) -> OriginalUnavailableError:
-    return OriginalUnavailableError(path=path, layer_name=layer_name, module_class=module_class, reason=reason)
+def _rebuild_original(
+    module_name: str | None, layer_name: str, module_class: str, reason: str
+) -> OriginalUnavailableError:
+    return OriginalUnavailableError(
+        module_name=module_name, layer_name=layer_name, module_class=module_class, reason=reason
+    )
 
 
-def unavailable_message(path: str | None, layer_name: str, module_class: str, reason: str) -> str:
+def unavailable_message(module_name: str | None, layer_name: str, module_class: str, reason: str) -> str:
     """The message of :class:`KernelUnavailableError` (plain function: TorchDynamo traces it)."""
-    where = f"module {path!r}" if path else "a module"
+    where = f"module {module_name!r}" if module_name else "a module"
     return f"kernel required but unavailable for {where} ({module_class}, kernel layer {layer_name!r}): {reason}"
 
 
-def _rebuild_unavailable(path: str | None, layer_name: str, module_class: str, reason: str) -> KernelUnavailableError:
-    return KernelUnavailableError(path=path, layer_name=layer_name, module_class=module_class, reason=reason)
+def _rebuild_unavailable(
+    module_name: str | None, layer_name: str, module_class: str, reason: str
+) -> KernelUnavailableError:
+    return KernelUnavailableError(
+        module_name=module_name, layer_name=layer_name, module_class=module_class, reason=reason
+    )
 
 
 class KernelMismatchError(AssertionError):
     """``verify`` found that a kernel's output differs from the original forward's.
 
-    Attributes: ``path``, ``layer_name``, ``module_class``, ``where`` (which
+    Attributes: ``module_name``, ``layer_name``, ``module_class``, ``where`` (which
     output, e.g. ``output[0]``), ``max_abs`` and ``max_rel`` (largest absolute
     and relative errors), ``index`` (the first mismatching element) and
     ``detail``.
@@ -112,7 +120,7 @@ class KernelMismatchError(AssertionError):
     def __init__(
         self,
         *,
-        path: str | None,
+        module_name: str | None,
         layer_name: str,
         module_class: str,
         where: str,
@@ -121,7 +129,7 @@ class KernelMismatchError(AssertionError):
         max_rel: float,
         index: tuple[int, ...] | None,
     ) -> None:
-        self.path = path
+        self.module_name = module_name
         self.layer_name = layer_name
         self.module_class = module_class
         self.where = where
@@ -129,7 +137,7 @@ class KernelMismatchError(AssertionError):
         self.max_abs = max_abs
         self.max_rel = max_rel
         self.index = index
-        module = f"module {path!r}" if path else "a module"
+        module = f"module {module_name!r}" if module_name else "a module"
         numbers = f"; max abs error {max_abs:.3g}, max rel error {max_rel:.3g}" if max_abs == max_abs else ""
         at = f", first mismatch at index {index}" if index is not None else ""
         super().__init__(
@@ -142,7 +150,7 @@ class KernelMismatchError(AssertionError):
         return (_rebuild_mismatch, (tuple(getattr(self, name) for name in _MISMATCH_FIELDS),))
 
 
-_MISMATCH_FIELDS = ("path", "layer_name", "module_class", "where", "detail", "max_abs", "max_rel", "index")
+_MISMATCH_FIELDS = ("module_name", "layer_name", "module_class", "where", "detail", "max_abs", "max_rel", "index")
 
 
 def _rebuild_mismatch(values: tuple[object, ...]) -> KernelMismatchError:

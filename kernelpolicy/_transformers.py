@@ -68,7 +68,7 @@ __all__ = [
 
 #: The kernel layer name of attention kernels in policies: ``kernel_policy(attention="disable")``.
 ATTENTION: Final = "attention"
-#: The module path under which ``explain`` and ``record_calls`` show a model's attention kernel.
+#: The module name under which ``explain`` and ``record_calls`` show a model's attention kernel.
 ROW: Final = "(attention)"
 
 _LOCK = threading.Lock()
@@ -217,7 +217,7 @@ def attach_attention(model: nn.Module, fallback: str | None = None) -> HubAttent
         hub.forward = types.MethodType(_HubKernel.forward, hub)  # type: ignore[method-assign]  # binds the kernel
         binding = binding_of(hub)
         assert binding is not None
-        binding.path = ROW
+        binding.module_name = ROW
         binding.repository = name
         _HUB[name] = hub
         _register(hub)

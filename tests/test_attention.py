@@ -175,7 +175,7 @@ def test_verify_compares_the_kernel_with_the_fallback_on_its_own_mask(family: st
     wrong = build(family, WRONG)
     with kp.kernel_policy(attention="verify"), pytest.raises(kp.KernelMismatchError) as info:
         logits(wrong, PADDED)
-    assert info.value.layer_name == "attention" and info.value.path == "(attention)"
+    assert info.value.layer_name == "attention" and info.value.module_name == "(attention)"
     assert "elements differ" in str(info.value)
     with kp.kernel_policy(attention="disable"):
         torch.testing.assert_close(logits(wrong, None), logits(build(family, "sdpa"), None), rtol=0, atol=0)

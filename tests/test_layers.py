@@ -78,7 +78,7 @@ def test_require_without_kernel_names_module_layer_and_reason(mapping: Callable[
     with kp.kernel_policy("require"), pytest.raises(kp.KernelUnavailableError) as info:
         model(X)
     err = info.value
-    assert err.path == "blocks.0.1"
+    assert err.module_name == "blocks.0.1"
     assert err.layer_name == "RMSNorm"
     assert err.module_class.endswith("testing.RMSNorm")
     assert err.reason == "no kernel bound"
@@ -260,7 +260,7 @@ def test_pickle_round_trip_drops_kernel_keeps_awareness(kernelized: Callable[...
     loaded = pickle.loads(pickle.dumps(model))
     binding = binding_of(loaded.norm)
     assert binding is not None and binding.kernel is None
-    assert binding.path == "norm"
+    assert binding.module_name == "norm"
     torch.testing.assert_close(loaded(X), reference(model))
 
 

@@ -19,9 +19,9 @@ import kernelpolicy as kp
 
 
 def test_errors_pickle_with_their_attributes() -> None:
-    unavailable = kp.KernelUnavailableError(path="norm", layer_name="RMSNorm", module_class="m.N", reason="no kernel")
+    unavailable = kp.KernelUnavailableError(module_name="norm", layer_name="RMSNorm", module_class="m.N", reason="no kernel")
     mismatch = kp.KernelMismatchError(
-        path="norm",
+        module_name="norm",
         layer_name="RMSNorm",
         module_class="m.N",
         where="output",
@@ -30,7 +30,7 @@ def test_errors_pickle_with_their_attributes() -> None:
         max_rel=0.25,
         index=(0, 1),
     )
-    original = kp.OriginalUnavailableError(path="mlp.up", layer_name="FusedUp", module_class="m.L", reason="fused")
+    original = kp.OriginalUnavailableError(module_name="mlp.up", layer_name="FusedUp", module_class="m.L", reason="fused")
     for error in (unavailable, mismatch, original):
         copy = pickle.loads(pickle.dumps(error))
         assert type(copy) is type(error) and str(copy) == str(error)

@@ -91,7 +91,7 @@ def test_require_untraceable_without_fullgraph_raises_kernel_unavailable(kerneli
     with kp.kernel_policy("require"), pytest.raises(kp.KernelUnavailableError) as info:
         compiled(X)
     assert info.value.reason.startswith("kernel cannot be traced under compile")
-    assert info.value.path == "blocks.0.1"
+    assert info.value.module_name == "blocks.0.1"
 
 
 @pytest.mark.parametrize(("mode", "kind", "kernel_expected"), CASES)

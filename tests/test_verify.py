@@ -81,7 +81,7 @@ def test_wrong_kernel_raises_mismatch_naming_module_layer_errors_and_index(
     with kp.kernel_policy("verify"), pytest.raises(kp.KernelMismatchError) as info:
         model(X)
     err = info.value
-    assert err.path == "blocks.0.1"
+    assert err.module_name == "blocks.0.1"
     assert err.layer_name == "RMSNorm"
     assert err.where == "output"
     assert err.index == (0, 0)
