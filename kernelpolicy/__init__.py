@@ -29,11 +29,9 @@ from ._errors import (
     KernelUnavailableError,
     OriginalUnavailableError,
     PolicyError,
-    PolicyMismatchError,
     ScopeError,
 )
-from ._policy import ENV_VAR, MODES, Policy, PolicyMode
-from ._processes import child_env, worker_init_fn
+from ._policy import Policy, PolicyMode
 from ._scope import kernel_policy, kernels_disabled, propagate, set_default_policy
 
 if TYPE_CHECKING:
@@ -74,16 +72,6 @@ _FEATURES = ("._transformers", ".training")
 
 
 def __getattr__(name: str) -> Any:
-    if name == "Mode":  # the name until 0.1.0's renaming; it read as kernels.Mode
-        import warnings
-
-        warnings.warn(
-            "kernelpolicy.Mode is now kernelpolicy.PolicyMode ('prefer', 'disable', 'require', 'verify'); "
-            "kernelize's mode= takes kernels.Mode",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return PolicyMode
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'kernelpolicy' has no attribute {name!r}")
@@ -99,8 +87,6 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
-    "ENV_VAR",
-    "MODES",
     "CallCounts",
     "ExecutionState",
     "Explanation",
@@ -110,12 +96,10 @@ __all__ = [
     "OriginalUnavailableError",
     "Policy",
     "PolicyError",
-    "PolicyMismatchError",
     "PolicyMode",
     "ScopeError",
     "WarmupReport",
     "attach",
-    "child_env",
     "current_policy",
     "execution_state",
     "explain",
@@ -130,5 +114,4 @@ __all__ = [
     "use_kernel_forward_from_hub",
     "warmup",
     "will_use_kernel",
-    "worker_init_fn",
 ]

@@ -42,7 +42,7 @@ class ScopeError(RuntimeError):
 class PolicyMismatchError(RuntimeError):
     """The ranks of a process group disagree on the policy or on a layer's path (raised on every rank)."""
 
-    __module__ = "kernelpolicy"
+    __module__ = "kernelpolicy.distributed"
 
 
 class KernelUnavailableError(RuntimeError):

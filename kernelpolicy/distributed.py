@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ._active import current_policy
-from ._errors import PolicyMismatchError
+from ._errors import PolicyMismatchError  # public here: only this module raises it
 from ._policy import Policy, check_layer_name
 from ._scope import kernel_policy
 
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
     from torch import nn
 
-__all__ = ["broadcast_policy", "check_consistent", "local_shard_layers", "run_on_local_shards"]
+__all__ = ["PolicyMismatchError", "broadcast_policy", "check_consistent", "local_shard_layers", "run_on_local_shards"]
 
 
 def _dist(what: str) -> Any:
@@ -55,7 +55,7 @@ def check_consistent(model: nn.Module | None = None, *, group: Any = None) -> Po
     why, as :func:`~kernelpolicy.explain` says), so a kernel that failed to
     load on one node, or ``require`` failing on one rank only, shows before the
     first step instead of as a hang. On a mismatch every rank raises the same
-    :class:`~kernelpolicy.PolicyMismatchError`, listing the ranks and what they
+    :class:`PolicyMismatchError`, listing the ranks and what they
     reported, so all ranks stop together.
     """
     dist = _dist("check_consistent")

@@ -55,7 +55,7 @@ def distributed_worker(rank: int, world: int, port: int, out_dir: str, case: str
             else:
                 try:
                     outcome = f"ok {kernelpolicy.distributed.check_consistent(model)}"
-                except kp.PolicyMismatchError as error:
+                except kernelpolicy.distributed.PolicyMismatchError as error:
                     outcome = f"mismatch {error}"
         Path(out_dir, f"rank{rank}.txt").write_text(outcome)
     finally:

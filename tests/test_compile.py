@@ -24,6 +24,7 @@ from torch import nn
 
 import kernelpolicy as kp
 from kernelpolicy._doctor import doctor
+from kernelpolicy._policy import MODES
 from kernelpolicy.testing import DemoModel
 
 X = torch.randn(2, 16, generator=torch.Generator().manual_seed(4))
@@ -343,7 +344,7 @@ def test_64_policies_compile_8_programs_and_recording_adds_none() -> None:
     """Every combination, the process default's own first (``prefer`` everywhere), in itertools order."""
     compiled = torch.compile(_three_kernel_layers(), backend=(backend := CountingBackend()), fullgraph=True)
     x = torch.zeros(1)
-    combos = list(itertools.product(kp.MODES, repeat=3))
+    combos = list(itertools.product(MODES, repeat=3))
     assert combos[0] == ("prefer",) * 3 and kp.Policy(**dict(zip(_NAMES, combos[0], strict=True))) == kp.Policy()
     assert len(combos) == 64
     for recording in (False, True):

@@ -13,6 +13,7 @@ import pytest
 
 import kernelpolicy as kp
 from kernelpolicy import Policy, _active, current_policy, kernel_policy
+from kernelpolicy._policy import ENV_VAR
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
@@ -25,11 +26,11 @@ def set_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[str], Policy 
     """Set KERNELPOLICY and re-read it as a fresh process would; undo both afterwards."""
 
     def setter(text: str) -> Policy | None:
-        monkeypatch.setenv(kp.ENV_VAR, text)
+        monkeypatch.setenv(ENV_VAR, text)
         return _active.reload_env()
 
     yield setter
-    monkeypatch.delenv(kp.ENV_VAR, raising=False)
+    monkeypatch.delenv(ENV_VAR, raising=False)
     _active.reload_env()
     kp.set_default_policy()
 
@@ -45,14 +46,14 @@ def read_in_new_thread() -> Policy:
 
 def subprocess_env(value: str | None) -> dict[str, str]:
     env = dict(os.environ)
-    env.pop(kp.ENV_VAR, None)
+    env.pop(ENV_VAR, None)
     if value is not None:
-        env[kp.ENV_VAR] = value
+        env[ENV_VAR] = value
     return env
 
 
 def test_env_var_name() -> None:
-    assert kp.ENV_VAR == "KERNELPOLICY"
+    assert ENV_VAR == "KERNELPOLICY"
 
 
 # --- KERNELPOLICY ----------------------------------------------------------------------
@@ -87,7 +88,7 @@ def test_empty_env_means_builtin_prefer(set_env: Callable[[str], Policy | None],
 def test_env_is_read_once(set_env: Callable[[str], Policy | None], monkeypatch: pytest.MonkeyPatch) -> None:
     set_env("disable")
     assert current_policy() == Policy("disable")
-    monkeypatch.setenv(kp.ENV_VAR, "require")
+    monkeypatch.setenv(ENV_VAR, "require")
     assert current_policy() == Policy("disable")
     with kernel_policy(RMSNorm="require"):
         assert current_policy() == Policy("disable", RMSNorm="require")
@@ -148,7 +149,7 @@ def test_malformed_env_raises_at_every_use_until_fixed(
     with pytest.raises(kp.PolicyError, match="KERNELPOLICY"):
         kp.set_default_policy("disable")
     # A fixed value is picked up at the next use, without an explicit reload.
-    monkeypatch.setenv(kp.ENV_VAR, "prefer,RMSNorm=disable")
+    monkeypatch.setenv(ENV_VAR, "prefer,RMSNorm=disable")
     assert current_policy() == Policy("prefer", RMSNorm="disable")
 
 

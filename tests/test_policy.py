@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kernelpolicy as kp
+from kernelpolicy._policy import MODES
 
 LAYER_NAMES = ("RMSNorm", "SiLU", "GELU", "LayerNorm", "Attention")
 VALID_MODES_TEXT = ("'prefer'", "'disable'", "'require'")
@@ -25,7 +26,7 @@ def assert_lists_valid_modes(message: str) -> None:
 
 
 def test_modes_constant() -> None:
-    assert kp.MODES == ("prefer", "disable", "require", "verify")
+    assert MODES == ("prefer", "disable", "require", "verify")
 
 
 def test_policy_error_and_scope_error_hierarchy() -> None:
@@ -233,8 +234,8 @@ def test_repr_evaluates_to_the_same_object() -> None:
 
 policies = st.builds(
     lambda default, layers: kp.Policy(default, **layers),
-    st.sampled_from(kp.MODES),
-    st.dictionaries(st.sampled_from(LAYER_NAMES), st.sampled_from(kp.MODES)),
+    st.sampled_from(MODES),
+    st.dictionaries(st.sampled_from(LAYER_NAMES), st.sampled_from(MODES)),
 )
 
 
@@ -384,7 +385,7 @@ def test_bad_layer_name_is_rejected_even_when_mode_equals_default() -> None:
 
 
 @settings(max_examples=500, deadline=None)
-@given(st.text(min_size=1, max_size=12), st.sampled_from(kp.MODES))
+@given(st.text(min_size=1, max_size=12), st.sampled_from(MODES))
 def test_every_name_the_constructor_accepts_round_trips(name: str, mode: str) -> None:
     try:
         policy = kp.Policy("prefer" if mode != "prefer" else "disable", **{name: mode})

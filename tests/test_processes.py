@@ -16,10 +16,13 @@ from typing import Any
 import pytest
 
 import kernelpolicy as kp
+import kernelpolicy.processes
 
 
 def test_errors_pickle_with_their_attributes() -> None:
-    unavailable = kp.KernelUnavailableError(module_name="norm", layer_name="RMSNorm", module_class="m.N", reason="no kernel")
+    unavailable = kp.KernelUnavailableError(
+        module_name="norm", layer_name="RMSNorm", module_class="m.N", reason="no kernel"
+    )
     mismatch = kp.KernelMismatchError(
         module_name="norm",
         layer_name="RMSNorm",
@@ -30,7 +33,9 @@ def test_errors_pickle_with_their_attributes() -> None:
         max_rel=0.25,
         index=(0, 1),
     )
-    original = kp.OriginalUnavailableError(module_name="mlp.up", layer_name="FusedUp", module_class="m.L", reason="fused")
+    original = kp.OriginalUnavailableError(
+        module_name="mlp.up", layer_name="FusedUp", module_class="m.L", reason="fused"
+    )
     for error in (unavailable, mismatch, original):
         copy = pickle.loads(pickle.dumps(error))
         assert type(copy) is type(error) and str(copy) == str(error)
@@ -163,7 +168,7 @@ def test_forked_dataloader_workers_inherit_the_scope_where_iteration_starts() ->
 def test_spawned_dataloader_workers_see_only_the_environment_unless_given_worker_init_fn() -> None:
     with kp.kernel_policy("disable", RMSNorm="require"):
         assert _loader_items("spawn") == ["prefer", "prefer"]  # the scope does not reach a spawned worker
-        init = kp.worker_init_fn()
+        init = kernelpolicy.processes.worker_init_fn()
     assert _loader_items("spawn", worker_init_fn=init) == ["disable,RMSNorm=require"] * 2
 
 
@@ -172,7 +177,7 @@ def test_worker_init_fn_calls_the_users_initializer_after_setting_the_policy(met
     from _workers import InitReport, note_worker_id
 
     with kp.kernels_disabled():
-        init = kp.worker_init_fn(note_worker_id)
+        init = kernelpolicy.processes.worker_init_fn(note_worker_id)
     assert _loader_items(method, worker_init_fn=init, dataset=InitReport()) == ["0 disable", "0 disable"]
 
 
@@ -202,14 +207,14 @@ def test_worker_init_fn_is_the_initializer_of_a_spawned_process_pool() -> None:
     from _workers import policy_text
 
     with kp.kernel_policy(RMSNorm="disable"):
-        init = kp.worker_init_fn()
+        init = kernelpolicy.processes.worker_init_fn()
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=init) as pool:
         assert pool.submit(policy_text).result(timeout=120) == "prefer,RMSNorm=disable"
 
 
 def test_child_env_sets_the_policy_of_a_launched_process() -> None:
     with kp.kernel_policy("verify", atol=0.5, RMSNorm="disable"):
-        env = kp.child_env()
+        env = kernelpolicy.processes.child_env()
     code = "import kernelpolicy; print(kernelpolicy.current_policy())"
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr

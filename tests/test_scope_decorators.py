@@ -12,6 +12,7 @@ import pytest
 
 import kernelpolicy as kp
 from kernelpolicy import Policy, current_policy, kernel_policy
+from kernelpolicy._policy import MODES
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterator
@@ -116,7 +117,7 @@ def test_sync_recursive_and_nested_scope_in_body() -> None:
     def recurse(n: int) -> list[Policy]:
         seen = [current_policy()]
         if n:
-            with kernel_policy(SiLU=kp.MODES[n % 2 + 1]):
+            with kernel_policy(SiLU=MODES[n % 2 + 1]):
                 seen += recurse(n - 1)
             seen.append(current_policy())
         return seen
@@ -554,11 +555,11 @@ def test_async_generator_concurrent_with_other_tasks() -> None:
         return out
 
     async def main() -> list[list[tuple[Policy, Policy]]]:
-        return await asyncio.gather(*(consume(kp.MODES[i % 2]) for i in range(20)))
+        return await asyncio.gather(*(consume(MODES[i % 2]) for i in range(20)))
 
     results = asyncio.run(main())
     for i, result in enumerate(results):
-        assert result == [(Policy("require"), Policy(kp.MODES[i % 2]))] * 4
+        assert result == [(Policy("require"), Policy(MODES[i % 2]))] * 4
 
 
 def test_async_generator_asend_athrow_aclose() -> None:

@@ -11,6 +11,7 @@ import pytest
 
 import kernelpolicy as kp
 from kernelpolicy import Policy, current_policy, kernel_policy
+from kernelpolicy._policy import MODES
 
 # One scope object shared by every thread and task in this module.
 SHARED_SCOPE = kernel_policy(RMSNorm="disable")
@@ -22,8 +23,8 @@ LAYERS = ("RMSNorm", "SiLU", "GELU")
 
 def _outer_for(worker: int, step: int) -> Policy:
     """A distinct enclosing policy per worker and step (many more than any per-scope cache)."""
-    mode = kp.MODES[(worker + step) % 3]
-    other = kp.MODES[(worker + step + 1) % 3]
+    mode = MODES[(worker + step) % 3]
+    other = MODES[(worker + step + 1) % 3]
     return Policy(mode, **{f"W{worker}": other, f"S{step}": other})
 
 
@@ -50,7 +51,7 @@ def test_threads_see_only_their_own_nested_policies() -> None:
                     barrier.wait(timeout=20)
                     assert current_policy() == outer
                     checks[index] += 1
-                    inner_mode = kp.MODES[(index * 7 + step) % 3]
+                    inner_mode = MODES[(index * 7 + step) % 3]
                     with kernel_policy(SiLU=inner_mode) as inner:
                         expected = Policy(outer.default, **dict(outer.layers), SiLU=inner_mode)
                         assert inner == expected
@@ -181,7 +182,7 @@ def test_many_concurrent_tasks_with_interleaved_nested_scopes() -> None:
                 await asyncio.sleep(0)
                 assert current_policy() == outer
                 count += 1
-                mode = kp.MODES[(index + 2 * step) % 3]
+                mode = MODES[(index + 2 * step) % 3]
                 with kernel_policy(SiLU=mode) as inner:
                     await asyncio.sleep(0)
                     assert inner == Policy(outer.default, **dict(outer.layers), SiLU=mode)
@@ -288,7 +289,7 @@ def test_exceptions_in_threads_restore_each_thread() -> None:
 
     def worker(index: int) -> None:
         try:
-            with kernel_policy(kp.MODES[index % 3]) as outer:
+            with kernel_policy(MODES[index % 3]) as outer:
                 barrier.wait(timeout=20)
                 error = CustomError(index)
                 caught: list[BaseException] = []

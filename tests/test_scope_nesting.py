@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 import kernelpolicy as kp
 from kernelpolicy import Policy, current_policy, kernel_policy
+from kernelpolicy._policy import MODES
 
 LAYERS = ("RMSNorm", "SiLU", "GELU", "LayerNorm")
 UNNAMED = "NeverNamed"
@@ -144,7 +145,7 @@ def test_scope_result_cache_is_correct_for_many_enclosing_policies() -> None:
     scope = kernel_policy(RMSNorm="disable")
     for round_ in range(2):
         for i in range(150):
-            enclosing_mode = kp.MODES[(i + round_) % 3]
+            enclosing_mode = MODES[(i + round_) % 3]
             with kernel_policy(enclosing_mode, **{f"L{i}": "require" if enclosing_mode != "require" else "prefer"}):
                 enclosing = current_policy()
                 with scope as entered:
@@ -418,7 +419,7 @@ def test_scope_repr() -> None:
 
 # --- property test against a reference model ---------------------------------------------
 
-_modes = st.sampled_from(kp.MODES)
+_modes = st.sampled_from(MODES)
 _specs = st.tuples(st.one_of(st.none(), _modes), st.dictionaries(st.sampled_from(LAYERS), _modes, max_size=3))
 # An op is either the index of a scope object in the pool (enter it) or None (exit the innermost).
 _ops = st.lists(st.one_of(st.none(), st.integers(min_value=0, max_value=5)), max_size=40)

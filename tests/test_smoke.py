@@ -2,9 +2,9 @@ from __future__ import annotations
 
 import typing
 
-import pytest
-
 import kernelpolicy
+import kernelpolicy.distributed
+import kernelpolicy.processes
 
 
 def test_default_is_prefer() -> None:
@@ -20,9 +20,11 @@ def test_public_classes_report_the_package_as_their_module() -> None:
     }
 
 
-def test_the_old_name_mode_warns_and_is_policy_mode() -> None:
-    with pytest.warns(DeprecationWarning, match=r"kernelpolicy\.Mode is now kernelpolicy\.PolicyMode"):
-        old = kernelpolicy.Mode  # type: ignore[attr-defined]
-    assert old is kernelpolicy.PolicyMode
-    assert typing.get_args(kernelpolicy.PolicyMode) == kernelpolicy.MODES
-    assert "Mode" not in kernelpolicy.__all__
+def test_the_top_level_is_what_a_user_needs() -> None:
+    assert not hasattr(kernelpolicy, "Mode")  # kernels' Mode is kernels.Mode; the policy modes are PolicyMode
+    assert typing.get_args(kernelpolicy.PolicyMode) == ("prefer", "disable", "require", "verify")
+    moved = {"MODES", "ENV_VAR", "PolicyMismatchError", "child_env", "worker_init_fn"}
+    assert not moved & set(kernelpolicy.__all__)
+    assert len(kernelpolicy.__all__) == 27
+    assert kernelpolicy.distributed.PolicyMismatchError.__module__ == "kernelpolicy.distributed"
+    assert callable(kernelpolicy.processes.worker_init_fn) and callable(kernelpolicy.processes.child_env)

@@ -1,5 +1,10 @@
 """Other processes: what carries the caller's policy into a worker or child process.
 
+>>> import kernelpolicy.processes
+>>> sorted(kernelpolicy.processes.__all__)
+['child_env', 'worker_init_fn']
+
+
 This module owns :func:`worker_init_fn` (DataLoader workers and process-pool
 initializers) and :func:`child_env` (the environment of a launched child);
 :func:`~kernelpolicy.propagate` (in ``_scope``) carries it into one call.
@@ -41,11 +46,11 @@ def worker_init_fn(fn: Callable[..., Any] | None = None) -> Callable[..., None]:
     the worker's life: with ``persistent_workers=True``, build a new loader to
     change it.
 
-    >>> import pickle, kernelpolicy
+    >>> import pickle, kernelpolicy, kernelpolicy.processes
     >>> with kernelpolicy.kernel_policy("disable", RMSNorm="require"):
-    ...     init = kernelpolicy.worker_init_fn()
+    ...     init = kernelpolicy.processes.worker_init_fn()
     >>> init
-    kernelpolicy.worker_init_fn(policy='disable,RMSNorm=require', fn=None)
+    kernelpolicy.processes.worker_init_fn(policy='disable,RMSNorm=require', fn=None)
     >>> pickle.loads(pickle.dumps(init)) == init
     True
     """
@@ -77,7 +82,7 @@ class _WorkerInit:
 
     def __repr__(self) -> str:
         fn = "None" if self.fn is None else getattr(self.fn, "__qualname__", repr(self.fn))
-        return f"kernelpolicy.worker_init_fn(policy={str(self.policy)!r}, fn={fn})"
+        return f"kernelpolicy.processes.worker_init_fn(policy={str(self.policy)!r}, fn={fn})"
 
     def __reduce__(self) -> tuple[object, ...]:
         return (_WorkerInit, (self.policy, self.fn))
@@ -91,9 +96,9 @@ def child_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
     default is then this policy, for every layer, whatever ``KERNELPOLICY``
     said before. ``str(policy)`` parses back to the same policy.
 
-    >>> import kernelpolicy
+    >>> import kernelpolicy, kernelpolicy.processes
     >>> with kernelpolicy.kernel_policy("prefer", RMSNorm="disable"):
-    ...     kernelpolicy.child_env({"PATH": "/usr/bin"})
+    ...     kernelpolicy.processes.child_env({"PATH": "/usr/bin"})
     {'PATH': '/usr/bin', 'KERNELPOLICY': 'prefer,RMSNorm=disable'}
     """
     base = dict(os.environ if env is None else env)
