@@ -342,10 +342,9 @@ def test_exiting_in_a_copied_context_raises_scope_error() -> None:
 
 
 def test_exiting_in_a_copied_context_after_the_owner_exited_raises_scope_error() -> None:
-    # BUG: once the owning context has exited the scope, exiting it again from a context
-    # copied while it was active (e.g. a task created inside the scope) raises a plain
-    # RuntimeError ("<Token ...> has already been used once") from ContextVar.reset
-    # instead of kp.ScopeError: _scope.kernel_policy.__exit__ only converts ValueError.
+    # Once the owning context has exited the scope, exiting it again from a context copied while it
+    # was active (a task created inside the scope) finds a used token: ContextVar.reset raises
+    # RuntimeError there, which kernel_policy.__exit__ turns into ScopeError.
     scope = kernel_policy("disable")
     scope.__enter__()
     ctx = contextvars.copy_context()
@@ -356,8 +355,8 @@ def test_exiting_in_a_copied_context_after_the_owner_exited_raises_scope_error()
 
 
 def test_exiting_in_a_child_task_raises_scope_error() -> None:
-    # BUG: same defect as above through asyncio: a task created inside the scope inherits
-    # it; after the parent exits the scope, the child's exit raises RuntimeError, not ScopeError.
+    # The same through asyncio: a task created inside the scope inherits it; after the parent exits
+    # the scope, the child's exit raises ScopeError (a RuntimeError).
     scope = kernel_policy("disable")
     outcome: list[BaseException] = []
 

@@ -37,9 +37,9 @@ def scope(mode: str) -> contextlib.AbstractContextManager[object]:
     return kp.kernel_policy(mode)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize(("mode", "kind", "kernel_expected"), CASES)
-def test_eager_prefers_any_bound_kernel(
-    kernelized: Callable[..., DemoModel], mode: str, kind: str, kernel_expected: bool
+@pytest.mark.parametrize(("mode", "kind"), [(mode, kind) for mode, kind, _ in CASES])
+def test_eager_runs_any_bound_kernel_unless_disabled(
+    kernelized: Callable[..., DemoModel], mode: str, kind: str
 ) -> None:
     model = kernelized(kind)
     with scope(mode):
@@ -63,6 +63,7 @@ def test_compile(
     assert graph_breaks() == 0
 
 
+@pytest.mark.slow  # inductor's code generation takes about a minute on 2 cores
 def test_compile_default_inductor_backend(kernelized: Callable[..., DemoModel]) -> None:
     model = kernelized("traceable")
     compiled = torch.compile(model, fullgraph=True)
