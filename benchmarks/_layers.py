@@ -19,7 +19,7 @@ from torch import nn
 
 import kernelpolicy
 from kernelpolicy._binding import binding_of
-from kernelpolicy.testing import rms_norm_kernel_source, write_kernel_repo
+from kernelpolicy.testing import local_mapping, rms_norm_kernel_source, write_kernel_repo
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
@@ -120,12 +120,11 @@ class KernelRepos:
     @contextlib.contextmanager
     def mapping(layer_name: str, repo: Path) -> Iterator[None]:
         """``kernels.use_kernel_mapping`` for one layer; kernels' warnings about unmapped layers are muted."""
-        repository = kernels.LocalLayerRepository(repo_path=repo, layer_name=layer_name)
         logger = logging.getLogger("kernels")
         level = logger.level
         logger.setLevel(logging.ERROR)
         try:
-            with kernels.use_kernel_mapping({layer_name: {"cpu": repository}}):
+            with local_mapping({layer_name: repo}):
                 yield
         finally:
             logger.setLevel(level)

@@ -14,12 +14,18 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import kernels
 import torch
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 import kernelpolicy
-from kernelpolicy.testing import DemoModel, kernel_calls, rms_norm_kernel_source, tiny_llama, write_kernel_repo
+from kernelpolicy.testing import (
+    DemoModel,
+    kernel_calls,
+    kernelize_locally,
+    rms_norm_kernel_source,
+    tiny_llama,
+    write_kernel_repo,
+)
 from kernelpolicy.training import checkpoint
 
 X = torch.randn(4, 16, generator=torch.Generator().manual_seed(3))
@@ -44,10 +50,8 @@ def _demo(model: DemoModel, checkpointing: Any, reentrant: bool) -> tuple[list[t
     return [p.grad.clone() for p in model.parameters() if p.grad is not None], kernel_calls(model) - before
 
 
-def _llama(mapping: dict[str, Any], reentrant: bool | None, replay: bool) -> tuple[list[torch.Tensor], int]:
-    model = tiny_llama().train()
-    with kernels.use_kernel_mapping(mapping):
-        kernelpolicy.kernelize(model, mode="training", device="cpu")
+def _llama(repo: Path, reentrant: bool | None, replay: bool) -> tuple[list[torch.Tensor], int]:
+    model = kernelize_locally(tiny_llama().train(), {"RMSNorm": repo}, mode="training")
     if reentrant is not None:
         model.gradient_checkpointing_enable({"use_reentrant": reentrant})
         if not replay:  # what transformers hands its layers, without kernelpolicy's replay
@@ -65,11 +69,8 @@ def main() -> None:
     logging.getLogger("kernels").setLevel(logging.ERROR)
     with tempfile.TemporaryDirectory() as tmp:
         repo = write_kernel_repo(Path(tmp), rms_norm_kernel_source(can_torch_compile=True, offset=100.0))
-        mapping = {"RMSNorm": {"cpu": kernels.LocalLayerRepository(repo_path=repo, layer_name="RMSNorm")}}
         torch.manual_seed(0)
-        model = DemoModel(16).train()
-        with kernels.use_kernel_mapping(mapping):
-            kernelpolicy.kernelize(model, mode="training", device="cpu")
+        model = kernelize_locally(DemoModel(16).train(), {"RMSNorm": repo}, mode="training")
         for reentrant in (False, True):
             reference, _ = _demo(model, None, reentrant)
             for name, checkpointing in (
@@ -80,9 +81,9 @@ def main() -> None:
                 print(f"DemoModel, {name}(use_reentrant={reentrant}): {_compare(grads, reference)}, "
                       f"kernel calls in backward {calls}")  # fmt: skip
         for reentrant in (False, True):
-            reference, _ = _llama(mapping, None, True)
+            reference, _ = _llama(repo, None, True)
             for replay in (False, True):
-                grads, calls = _llama(mapping, reentrant, replay)
+                grads, calls = _llama(repo, reentrant, replay)
                 print(f"tiny Llama, gradient_checkpointing_enable(use_reentrant={reentrant}), "
                       f"{'with' if replay else 'without'} the replay: {_compare(grads, reference)}, "
                       f"kernel calls in backward {calls}")  # fmt: skip

@@ -31,14 +31,16 @@ import json
 import sys
 import textwrap
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
+    from collections.abc import Iterator, Mapping
     from pathlib import Path
+
+M = TypeVar("M", bound=nn.Module)
 
 __all__ = [
     "FLASH_ATTENTION_EXPORTS",
@@ -48,7 +50,9 @@ __all__ = [
     "custom_op_rms_norm_kernel_source",
     "flash_attention_kernel_source",
     "kernel_calls",
+    "kernelize_locally",
     "kernelized_demo_model",
+    "local_mapping",
     "rms_norm_kernel_source",
     "tiny_llama",
     "write_kernel_repo",
@@ -237,6 +241,40 @@ def flash_attention_kernel_source(*, scale: float = 1.0) -> str:
     """
 
 
+def local_mapping(repos: Mapping[str, Path | str], *, inherit: bool = True) -> contextlib.AbstractContextManager[Any]:
+    """``kernels.use_kernel_mapping`` of local repositories: kernel layer name -> repository folder (CPU).
+
+    ``inherit=False`` hides the mappings already in effect (kernels' ``inherit_mapping``).
+    """
+    from pathlib import Path
+
+    from ._compat import kernels
+
+    module = kernels()
+    mapping = {
+        name: {"cpu": module.LocalLayerRepository(repo_path=Path(repo), layer_name=name)}
+        for name, repo in repos.items()
+    }
+    return module.use_kernel_mapping(mapping, inherit_mapping=inherit)  # type: ignore[no-any-return]
+
+
+def kernelize_locally(model: M, repos: Mapping[str, Path | str], *, mode: str = "inference", inherit: bool = True) -> M:
+    """``model`` after ``kernelpolicy.kernelize(model, mode=mode, device="cpu")`` with these local repositories.
+
+    >>> import tempfile, pathlib, torch
+    >>> from kernelpolicy.testing import DemoModel, kernelize_locally, rms_norm_kernel_source, write_kernel_repo
+    >>> repo = write_kernel_repo(pathlib.Path(tempfile.mkdtemp()), rms_norm_kernel_source(offset=100.0))
+    >>> model = kernelize_locally(DemoModel(8).eval(), {"RMSNorm": repo})
+    >>> bool(model(torch.ones(1, 8)).mean() > 50)
+    True
+    """
+    import kernelpolicy  # the facade: the features are plugged in before the first binding
+
+    with local_mapping(repos, inherit=inherit):
+        kernelpolicy.kernelize(model, mode=mode, device="cpu")
+    return model
+
+
 def kernel_calls(model: nn.Module) -> int:
     """Eager calls counted so far by the kernels bound under ``model`` (each kernel repo once)."""
     from ._binding import binding_of, kernel_modules
@@ -322,13 +360,5 @@ def kernelized_demo_model(
     root: Path, *, can_torch_compile: bool = True, offset: float = 0.0, hidden: int = 32
 ) -> Iterator[DemoModel]:
     """A :class:`DemoModel` kernelized with a local RMSNorm kernel written under ``root``."""
-    import kernels
-
     repo = write_kernel_repo(root, rms_norm_kernel_source(can_torch_compile=can_torch_compile, offset=offset))
-    mapping = {"RMSNorm": {"cpu": kernels.LocalLayerRepository(repo_path=repo, layer_name="RMSNorm")}}
-    model = DemoModel(hidden).eval()
-    with kernels.use_kernel_mapping(mapping):
-        import kernelpolicy  # the facade: the features are plugged in before the first binding
-
-        kernelpolicy.kernelize(model, mode="inference", device="cpu")
-    yield model
+    yield kernelize_locally(DemoModel(hidden).eval(), {"RMSNorm": repo})

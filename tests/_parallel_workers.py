@@ -20,7 +20,7 @@ from _workers import init_group
 from torch import nn
 
 import kernelpolicy as kp
-from kernelpolicy.testing import DemoModel, RMSNorm
+from kernelpolicy.testing import DemoModel, RMSNorm, kernelize_locally
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -129,16 +129,14 @@ def train_worker(rank: int, world: int, port: int, out_dir: str, case: str, repo
 
 def _train_case(rank: int, case: str, repo: Path) -> dict[str, Any]:
     """Build, kernelize, wrap and train this rank's model for ``case``; what it did, for the parent."""
-    import kernels
     from torch._dynamo.utils import counters
     from torch.distributed.fsdp import FSDPModule
 
     compiled = case.endswith("-compiled")
-    layer = kernels.LocalLayerRepository(repo_path=repo, layer_name="RMSNorm")
 
     def kernelize(module: nn.Module) -> None:
-        with kernels.use_kernel_mapping({"RMSNorm": {"cpu": layer}}, inherit_mapping=False):
-            kp.kernelize(module, mode="training|torch_compile" if compiled else "training", device="cpu")
+        mode = "training|torch_compile" if compiled else "training"
+        kernelize_locally(module, {"RMSNorm": repo}, mode=mode, inherit=False)
 
     rows = slice(rank * BATCH, (rank + 1) * BATCH)
     baseline = CountingBackend()

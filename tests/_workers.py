@@ -29,19 +29,15 @@ def distributed_worker(rank: int, world: int, port: int, out_dir: str, case: str
     """One rank of a gloo group on 127.0.0.1 (bounded timeout): ``kernelpolicy.distributed`` under ``case``; the outcome to a file."""
     from pathlib import Path
 
-    import kernels
     import torch.distributed as dist
 
     import kernelpolicy.distributed
-    from kernelpolicy.testing import DemoModel
+    from kernelpolicy.testing import DemoModel, kernelize_locally
 
     init_group(rank, world, port)
     try:
-        model = DemoModel(16).eval()
-        layer = kernels.LocalLayerRepository(repo_path=Path(repo), layer_name="RMSNorm")
         missing = case == "kernel missing on rank 1" and rank == 1  # e.g. it failed to load on that node
-        with kernels.use_kernel_mapping({} if missing else {"RMSNorm": {"cpu": layer}}, inherit_mapping=False):
-            kp.kernelize(model, mode="inference", device="cpu")
+        model = kernelize_locally(DemoModel(16).eval(), {} if missing else {"RMSNorm": repo}, inherit=False)
         modes = {
             "same": ("prefer,RMSNorm=disable",) * 2,
             "policies differ": ("require", "disable"),
@@ -71,7 +67,6 @@ def sequence_parallel_worker(rank: int, world: int, port: int, out_dir: str, rep
     import json
     from pathlib import Path
 
-    import kernels
     import torch
     import torch.distributed as dist
     from torch import nn
@@ -79,16 +74,13 @@ def sequence_parallel_worker(rank: int, world: int, port: int, out_dir: str, rep
     from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
 
     import kernelpolicy.distributed
-    from kernelpolicy.testing import RMSNorm
+    from kernelpolicy.testing import RMSNorm, kernelize_locally
 
     init_group(rank, world, port)
     results: dict[str, object] = {}
     try:
         mesh = init_device_mesh("cpu", (world,))
-        model = nn.Sequential(RMSNorm(8)).eval()
-        layer = kernels.LocalLayerRepository(repo_path=Path(repo), layer_name="RMSNorm")
-        with kernels.use_kernel_mapping({"RMSNorm": {"cpu": layer}}, inherit_mapping=False):
-            kp.kernelize(model, mode="inference", device="cpu")
+        model = kernelize_locally(nn.Sequential(RMSNorm(8)).eval(), {"RMSNorm": repo}, inherit=False)
         parallelize_module(model, mesh, {"0": SequenceParallel()})
         full = torch.randn(2, 4 * world, 8, generator=torch.Generator().manual_seed(0))
         reference = full * torch.rsqrt(full.pow(2).mean(-1, keepdim=True) + 1e-6)

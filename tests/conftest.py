@@ -11,7 +11,7 @@ import torch
 
 import kernelpolicy
 from kernelpolicy import _active, _policy
-from kernelpolicy.testing import DemoModel, rms_norm_kernel_source, write_kernel_repo
+from kernelpolicy.testing import DemoModel, local_mapping, rms_norm_kernel_source, write_kernel_repo
 
 
 @pytest.fixture(autouse=True)
@@ -51,11 +51,9 @@ def kernel_repos(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture
 def mapping(kernel_repos: dict[str, Path]) -> Callable[[str], Any]:
     """``mapping(kind)``: a ``kernels.use_kernel_mapping`` context for one of the repos."""
-    import kernels
 
     def make(kind: str) -> Any:
-        repo = kernels.LocalLayerRepository(repo_path=kernel_repos[kind], layer_name="RMSNorm")
-        return kernels.use_kernel_mapping({"RMSNorm": {"cpu": repo}})
+        return local_mapping({"RMSNorm": kernel_repos[kind]})
 
     return make
 

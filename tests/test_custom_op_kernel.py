@@ -14,7 +14,7 @@ import torch
 from _helpers import graph_breaks
 
 import kernelpolicy as kp
-from kernelpolicy.testing import DemoModel, custom_op_rms_norm_kernel_source, write_kernel_repo
+from kernelpolicy.testing import DemoModel, custom_op_rms_norm_kernel_source, kernelize_locally, write_kernel_repo
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
@@ -30,14 +30,9 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def model(repo: Path) -> DemoModel:
-    import kernels
 
     torch.manual_seed(0)
-    model = DemoModel(16).eval()
-    layer = kernels.LocalLayerRepository(repo_path=repo, layer_name="RMSNorm")
-    with kernels.use_kernel_mapping({"RMSNorm": {"cpu": layer}}):
-        kp.kernelize(model, mode="inference", device="cpu")
-    return model
+    return kernelize_locally(DemoModel(16).eval(), {"RMSNorm": repo})
 
 
 def _ops(graph: torch.fx.Graph) -> list[str]:

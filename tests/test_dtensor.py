@@ -20,7 +20,7 @@ from _helpers import free_port
 from torch import nn
 
 import kernelpolicy as kp
-from kernelpolicy.testing import RMSNorm, custom_op_rms_norm_kernel_source, write_kernel_repo
+from kernelpolicy.testing import RMSNorm, custom_op_rms_norm_kernel_source, kernelize_locally, write_kernel_repo
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
 
@@ -51,13 +51,9 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def norm(repo: Path) -> nn.Module:
-    import kernels
 
     model = nn.Sequential(RMSNorm(8)).eval()
-    with kernels.use_kernel_mapping(
-        {"RMSNorm": {"cpu": kernels.LocalLayerRepository(repo_path=repo, layer_name="RMSNorm")}}
-    ):
-        kp.kernelize(model, mode="inference", device="cpu")
+    kernelize_locally(model, {"RMSNorm": repo})
     return model
 
 
@@ -107,7 +103,6 @@ def test_plain_tensors_still_run_the_kernel(norm: nn.Module, mesh: Any) -> None:
 
 
 def test_another_not_implemented_error_of_the_kernel_propagates(tmp_path: Path) -> None:
-    import kernels
 
     source = """
 from torch import nn
@@ -121,10 +116,7 @@ class RMSNorm(nn.Module):
 """
     repo = write_kernel_repo(tmp_path / "repo", source, name="raising-rmsnorm")
     model = nn.Sequential(RMSNorm(8)).eval()
-    with kernels.use_kernel_mapping(
-        {"RMSNorm": {"cpu": kernels.LocalLayerRepository(repo_path=repo, layer_name="RMSNorm")}}
-    ):
-        kp.kernelize(model, mode="inference", device="cpu")
+    kernelize_locally(model, {"RMSNorm": repo})
     with pytest.raises(NotImplementedError, match="the kernel's own limit: fp8 only"):
         model(torch.randn(2, 8))
 
@@ -183,15 +175,11 @@ def test_a_layer_declared_local_runs_its_kernel_on_the_shards(norm: nn.Module, m
 
 @pytest.mark.usefixtures("local_shards")
 def test_local_shards_carry_gradients_to_the_dtensor_parameters(tmp_path: Path, mesh: Any) -> None:
-    import kernels
 
     source = custom_op_rms_norm_kernel_source("kp_dtensor::rms_norm_grad", offset=0.0, autograd=True)
     repo = write_kernel_repo(tmp_path / "repo", source, name="dtensor-rmsnorm-grad")
     model = nn.Sequential(RMSNorm(8)).train()
-    with kernels.use_kernel_mapping(
-        {"RMSNorm": {"cpu": kernels.LocalLayerRepository(repo_path=repo, layer_name="RMSNorm")}}
-    ):
-        kp.kernelize(model, mode="training", device="cpu")
+    kernelize_locally(model, {"RMSNorm": repo}, mode="training")
     model, x = _sharded(model, mesh)
     x.requires_grad_(True)
     with kp.record_calls() as calls:

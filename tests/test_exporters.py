@@ -36,7 +36,14 @@ import torch
 from torch import nn
 
 import kernelpolicy as kp
-from kernelpolicy.testing import DemoModel, kernel_calls, tiny_llama, write_kernel_repo
+from kernelpolicy.testing import (
+    DemoModel,
+    kernel_calls,
+    kernelize_locally,
+    local_mapping,
+    tiny_llama,
+    write_kernel_repo,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -143,10 +150,7 @@ def repos(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def _kernelize(model: nn.Module, repos: dict[str, Path], layer: str) -> nn.Module:
-    repo = kernels.LocalLayerRepository(repo_path=repos[layer], layer_name=layer)
-    with kernels.use_kernel_mapping({layer: {"cpu": repo}}):
-        kp.kernelize(model, mode="inference", device="cpu")
-    return model
+    return kernelize_locally(model, {layer: repos[layer]})
 
 
 # --- models: one tensor-only forward each, for every exporter -----------------------------------------------------
@@ -364,9 +368,7 @@ def test_without_kernelpolicy_the_test_kernel_defeats_every_tracer(repos: dict[s
     """The same kernel bound by ``kernels.kernelize`` alone: what the exporters meet without the fallback."""
     torch.manual_seed(0)
     model = DemoModel(16).eval()
-    with kernels.use_kernel_mapping(
-        {"RMSNorm": {"cpu": kernels.LocalLayerRepository(repo_path=repos["RMSNorm"], layer_name="RMSNorm")}}
-    ):
+    with local_mapping({"RMSNorm": repos["RMSNorm"]}):
         kernels.kernelize(model, mode=kernels.Mode.INFERENCE, device="cpu")
     x, y = _inputs("demo", 1), _inputs("demo", 2)
     with pytest.raises(torch._dynamo.exc.Unsupported, match=r"tolist\(\)"):

@@ -16,7 +16,7 @@ from torch import nn
 import kernelpolicy as kp
 from kernelpolicy._binding import _kernels_mode, binding_of
 from kernelpolicy._dispatch import NO_BACKWARD, _logged
-from kernelpolicy.testing import DemoModel, RMSNorm, kernel_calls
+from kernelpolicy.testing import DemoModel, RMSNorm, kernel_calls, kernelize_locally
 
 X = torch.randn(3, 16, generator=torch.Generator().manual_seed(1))
 
@@ -388,9 +388,7 @@ def test_condition_is_kernels_own_argument(tmp_path: Any) -> None:
 
     repo = write_kernel_repo(tmp_path / "repo", rms_norm_kernel_source(class_name="CondNorm", offset=100.0))
     model = torch.nn.Sequential(CondNorm(8), CondNorm(16))
-    layer = kernels.LocalLayerRepository(repo_path=repo, layer_name="CondNorm")
-    with kernels.use_kernel_mapping({"CondNorm": {"cpu": layer}}):
-        kp.kernelize(model, mode="inference", device="cpu")
+    kernelize_locally(model, {"CondNorm": repo})
     assert [row.path for row in kp.explain(model)] == ["original", "kernel"]
     assert model[1](torch.ones(2, 16)).min() > 50 and model[0](torch.ones(2, 8)).max() < 50
 

@@ -222,16 +222,12 @@ def test_child_env_sets_the_policy_of_a_launched_process() -> None:
 
 
 def test_a_pickled_module_says_its_kernel_was_dropped(tmp_path: Any) -> None:
-    import kernels
     import torch
 
-    from kernelpolicy.testing import DemoModel, rms_norm_kernel_source, write_kernel_repo
+    from kernelpolicy.testing import DemoModel, kernelize_locally, rms_norm_kernel_source, write_kernel_repo
 
     repo = write_kernel_repo(tmp_path / "repo", rms_norm_kernel_source(can_torch_compile=True, offset=100.0))
-    model = DemoModel(16).eval()
-    layer = kernels.LocalLayerRepository(repo_path=repo, layer_name="RMSNorm")
-    with kernels.use_kernel_mapping({"RMSNorm": {"cpu": layer}}):
-        kp.kernelize(model, mode="inference", device="cpu")
+    model = kernelize_locally(DemoModel(16).eval(), {"RMSNorm": repo})
     loaded = pickle.loads(pickle.dumps(model))  # what a spawned DataLoader worker or process pool receives
     x = torch.randn(2, 16)
     with kp.kernels_disabled():
@@ -240,6 +236,5 @@ def test_a_pickled_module_says_its_kernel_was_dropped(tmp_path: Any) -> None:
     assert {(row.path, row.reason) for row in kp.explain(loaded)} == {("original", dropped)}
     with kp.kernel_policy("require"), pytest.raises(kp.KernelUnavailableError, match="was dropped when the module"):
         loaded(x)
-    with kernels.use_kernel_mapping({"RMSNorm": {"cpu": layer}}):
-        kp.kernelize(loaded, mode="inference", device="cpu")
+    kernelize_locally(loaded, {"RMSNorm": repo})
     assert {(row.path, row.reason) for row in kp.explain(loaded)} == {("kernel", "kernel usable")}

@@ -16,7 +16,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import kernels
 import pytest
 import torch
 from torch import nn
@@ -25,7 +24,7 @@ from torch.utils.checkpoint import checkpoint_sequential
 
 import kernelpolicy as kp
 from kernelpolicy._dispatch import NO_BACKWARD, UNVERIFIED_IN_TRANSFORM, _logged
-from kernelpolicy.testing import DemoModel, kernel_calls, tiny_llama, write_kernel_repo
+from kernelpolicy.testing import DemoModel, kernel_calls, kernelize_locally, tiny_llama, write_kernel_repo
 from kernelpolicy.training import checkpoint
 
 X = torch.randn(4, 16, generator=torch.Generator().manual_seed(3))
@@ -373,10 +372,7 @@ def softsign_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.parametrize("checkpointed", [False, True])
 @pytest.mark.parametrize("mode", ["prefer", "disable"])
 def test_gradcheck_in_float64_through_both_paths(softsign_repo: Path, mode: str, checkpointed: bool) -> None:
-    layer = Softsign()
-    repo = kernels.LocalLayerRepository(repo_path=softsign_repo, layer_name="Softsign")
-    with kernels.use_kernel_mapping({"Softsign": {"cpu": repo}}):
-        kp.kernelize(layer, mode="training", device="cpu")
+    layer = kernelize_locally(Softsign(), {"Softsign": softsign_repo}, mode="training")
     x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
     with kp.kernel_policy(mode):
         shift = (layer(x) - layer.weight * x / (1 + x.abs())).detach()

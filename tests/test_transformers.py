@@ -11,7 +11,7 @@ import torch
 
 import kernelpolicy as kp
 from kernelpolicy._binding import binding_of
-from kernelpolicy.testing import kernel_calls, tiny_llama
+from kernelpolicy.testing import kernel_calls, kernelize_locally, tiny_llama
 
 pytest.importorskip("transformers")
 
@@ -169,9 +169,7 @@ def test_mamba2_function_kernel_with_package_fallback_obeys_the_policy(tmp_path:
     model = transformers.Mamba2ForCausalLM(config).eval()
     torch.manual_seed(0)
     reference = transformers.Mamba2ForCausalLM(config).eval()  # never kernelized
-    layer = kernels.LocalLayerRepository(repo_path=repo, layer_name="causal_conv1d_fn")
-    with kernels.use_kernel_mapping({"causal_conv1d_fn": {"cpu": layer}}):
-        kp.kernelize(model, mode="inference", device="cpu")
+    kernelize_locally(model, {"causal_conv1d_fn": repo})
     ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
     expected = reference(ids).logits
     with kp.record_calls() as calls:
@@ -232,9 +230,7 @@ def test_a_fused_layout_has_no_original_and_says_so(tmp_path: Any) -> None:
         pytest.skip(f"transformers {transformers.__version__} cannot apply its patches here: {error}")
     finally:
         unregister_patch_mapping(["LlamaMLP"])
-    layer = kernels.LocalLayerRepository(repo_path=repo, layer_name="FusedUp")
-    with kernels.use_kernel_mapping({"FusedUp": {"cpu": layer}}):
-        kp.kernelize(model, mode="inference", device="cpu")
+    kernelize_locally(model, {"FusedUp": repo})
     expected = tiny_llama()(IDS).logits  # the same weights, unfused
     with kp.record_calls() as calls:
         torch.testing.assert_close(model(IDS).logits, expected)  # prefer keeps the fused kernel

@@ -8,13 +8,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import kernels
 import pytest
 import torch
 from torch import nn
 
 import kernelpolicy as kp
-from kernelpolicy.testing import DemoModel, kernel_calls, rms_norm_kernel_source, write_kernel_repo
+from kernelpolicy.testing import DemoModel, kernel_calls, kernelize_locally, rms_norm_kernel_source, write_kernel_repo
 
 X = torch.randn(3, 16, generator=torch.Generator().manual_seed(5))
 
@@ -51,11 +50,7 @@ def extra_repos(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def with_repo(extra_repos: dict[str, Path]) -> Callable[[str], DemoModel]:
     def make(kind: str) -> DemoModel:
         torch.manual_seed(0)
-        model = DemoModel(16).eval()
-        repo = kernels.LocalLayerRepository(repo_path=extra_repos[kind], layer_name="RMSNorm")
-        with kernels.use_kernel_mapping({"RMSNorm": {"cpu": repo}}):
-            kp.kernelize(model, mode="inference", device="cpu")
-        return model
+        return kernelize_locally(DemoModel(16).eval(), {"RMSNorm": extra_repos[kind]})
 
     return make
 

@@ -41,7 +41,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 import kernelpolicy
-from kernelpolicy.testing import rms_norm_kernel_source, tiny_llama, write_kernel_repo
+from kernelpolicy.testing import kernelize_locally, rms_norm_kernel_source, tiny_llama, write_kernel_repo
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable, Sequence
@@ -74,8 +74,6 @@ def build_model(kernel_root: Path, *, offset: float = 0.0) -> Any:
     ``can_torch_compile = True``. With ``offset=0`` it is bit-exact with
     Llama's RMSNorm, so every policy yields the same tokens.
     """
-    import kernels
-
     source = rms_norm_kernel_source(can_torch_compile=True, offset=offset)
     repo = write_kernel_repo(kernel_root, source, name="server-rmsnorm")
     model = tiny_llama(seed=0)
@@ -83,10 +81,7 @@ def build_model(kernel_root: Path, *, offset: float = 0.0) -> Any:
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     model.generation_config.do_sample = False
-    mapping = {"RMSNorm": {"cpu": kernels.LocalLayerRepository(repo_path=repo, layer_name="RMSNorm")}}
-    with kernels.use_kernel_mapping(mapping):
-        kernelpolicy.kernelize(model, mode="inference", device="cpu")
-    return model
+    return kernelize_locally(model, {"RMSNorm": repo})
 
 
 class _CountingBackend:
