@@ -566,26 +566,51 @@ def _parameters(function: Callable[..., Any]) -> tuple[str, str, str]:
     return ", ".join(decl), call, pack
 
 
+def forward_source(variant: str, function: Callable[..., Any], layer_name: str) -> str:
+    """The source of the forward ``variant`` for a layer whose original forward is ``function``.
+
+    What :func:`make_forward` compiles, and what ``inspect.getsource`` shows
+    for a policy-aware module's ``forward`` (docs/design.md prints the three
+    variants for ``forward(self, hidden_states)``):
+
+    >>> print(forward_source("without_kernel", lambda self, x: x, "Double"))  # doctest: +NORMALIZE_WHITESPACE
+    def make(original, kernel, slow, unsupported, has_backward, traceable):
+        def forward(self, x):
+            active = DEFAULTS.active._current
+            if _is_dynamo():
+                if active.required.Double:
+                    return slow("require", (x, ), {})
+                return original(self, x)
+            mode = active.modes.Double
+            if mode == "prefer" or mode == "disable":
+                return original(self, x)
+            return slow(mode, (x, ), {})
+        return forward
+    """
+    params, call, pack = _parameters(function)
+    # The layer's entries in the Active's tables (see _active.Active), by attribute when the name allows.
+    plain = layer_name.isidentifier() and not keyword.iskeyword(layer_name) and not layer_name.startswith("__")
+
+    def entry(table: str) -> str:
+        return f"active.{table}.{layer_name}" if plain else f"getattr(active.{table}, {layer_name!r})"
+
+    body = _BODIES[variant].format(
+        call=call,
+        pack=pack,
+        tracing=_state.TRACING_CHECK,
+        lookup=entry("modes"),
+        kernel_on=entry("kernel_on"),
+        required=entry("required"),
+    )
+    return f"def make({_CELLS}):\n    def forward(self, {params}):{body}\n    return forward\n"
+
+
 def _factory(variant: str, function: Callable[..., Any], layer_name: str) -> Callable[..., Callable[..., Any]]:
     params, call, pack = _parameters(function)
     key = (variant, params, call, pack, layer_name)
     found = _FACTORIES.get(key)
     if found is None:
-        # The layer's entries in the Active's tables (see _active.Active), by attribute when the name allows.
-        plain = layer_name.isidentifier() and not keyword.iskeyword(layer_name) and not layer_name.startswith("__")
-
-        def entry(table: str) -> str:
-            return f"active.{table}.{layer_name}" if plain else f"getattr(active.{table}, {layer_name!r})"
-
-        body = _BODIES[variant].format(
-            call=call,
-            pack=pack,
-            tracing=_state.TRACING_CHECK,
-            lookup=entry("modes"),
-            kernel_on=entry("kernel_on"),
-            required=entry("required"),
-        )
-        source = f"def make({_CELLS}):\n    def forward(self, {params}):{body}\n    return forward\n"
+        source = forward_source(variant, function, layer_name)
         filename = f"<kernelpolicy forward {variant} ({params})>"
         namespace: dict[str, Any] = {}
         exec(compile(source, filename, "exec"), globals(), namespace)  # fixed template, checked names

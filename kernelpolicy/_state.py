@@ -70,12 +70,12 @@ READERS: Final[dict[str, str]] = {
     "fx": _fx_reader(),
 }
 
-#: The hot path's check, true under any tracer except ``torch.jit.trace``, as
-#: source over :data:`TRACING_NAMES`: ``_dispatch`` inlines it into the
-#: generated forwards (a function call costs as much as the check). Policy-aware
-#: layers learn about jit tracing from ``_slow_forward`` instead, which costs
-#: nothing in eager mode.
-TRACING_CHECK: Final = f"_is_dynamo() or {READERS['compile']} or {READERS['fx']}"
+#: The hot path's check outside TorchDynamo's traced code, true under ``torch.compile``'s run-time flag,
+#: non-strict export and fx, as source over :data:`TRACING_NAMES`: ``_dispatch`` inlines it into the
+#: generated forwards (a function call costs as much as the check), after they have asked
+#: ``_is_dynamo()`` once. Policy-aware layers learn about jit tracing from ``_slow_forward`` instead,
+#: which costs nothing in eager mode.
+TRACING_CHECK: Final = f"{READERS['compile']} or {READERS['fx']}"
 TRACING_NAMES: Final[dict[str, Any]] = {"_is_dynamo": _is_dynamo, "_compiler": _compiler, "_fx": _fx}
 
 

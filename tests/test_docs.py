@@ -50,3 +50,35 @@ def test_the_anchor_rule_is_githubs() -> None:
     page = ROOT / "README.md"
     assert {"quick-start", "supported-releases", "verify-check-a-kernel-against-the-original"} <= anchors(page)
     assert "torchcompile-and-export" in anchors(page)
+
+
+def test_design_shows_the_forwards_as_generated() -> None:
+    """docs/design.md prints the three generated forwards; they must be what ``_dispatch`` compiles today."""
+    from kernelpolicy import _state
+    from kernelpolicy._dispatch import forward_source
+
+    def forward(self: object, hidden_states: object) -> None: ...
+
+    text = (ROOT / "docs" / "design.md").read_text()
+    printed_flags = "_compiler._is_compiling_flag or _fx._is_fx_tracing_flag"  # torch 2.13's, as printed
+    for variant in ("without_kernel", "always_usable", "general"):
+        block = re.search(rf"### `{variant}`[^\n]*\n\n```python\n(.*?)```", text, re.DOTALL)
+        assert block is not None, variant
+        generated = forward_source(variant, forward, "RMSNorm").replace(_state.TRACING_CHECK, printed_flags)
+        assert block.group(1) == generated, variant
+
+
+def test_a_policy_aware_forward_shows_its_source() -> None:
+    import inspect
+
+    import torch
+
+    import kernelpolicy
+
+    @kernelpolicy.use_kernel_forward_from_hub("ShowsSource")
+    class Layer(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x
+
+    source = inspect.getsource(Layer().forward)
+    assert source.startswith("    def forward(self, x):") and "active.modes.ShowsSource" in source
