@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import socket
 import time
+import types
 from typing import TYPE_CHECKING, Any
 
+import torch
+from torch import nn
 from torch._dynamo.utils import counters
+
+import kernelpolicy as kp
 
 if TYPE_CHECKING:
     from collections.abc import Callable
-
-    import torch
 
 #: The test kernels add this offset (``rms_norm_kernel_source(offset=100.0)``): their outputs show the path.
 KERNEL_OFFSET = 100.0
@@ -53,3 +56,52 @@ def run_ranks(worker: Callable[..., None], *args: Any, nprocs: int = 2, deadline
         for process in context.processes:
             if process.is_alive():
                 process.kill()
+
+
+class CountingBackend:
+    """An eager backend that keeps every graph it is given."""
+
+    def __init__(self) -> None:
+        self.graphs: list[torch.fx.GraphModule] = []
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        self.graphs.append(gm)
+        return gm.forward
+
+    @property
+    def compiles(self) -> int:
+        return len(self.graphs)
+
+
+NAMES = ("KpA", "KpB", "KpC")
+
+
+class KpKernel0(nn.Module):
+    can_torch_compile = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + 1
+
+
+class KpKernel1(nn.Module):
+    can_torch_compile = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + 10
+
+
+class KpKernel2(nn.Module):
+    can_torch_compile = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + 100
+
+
+def three_kernel_layers() -> nn.Sequential:
+    """Three layers with distinct kernel layer names; kernel i adds 10**i (all traceable)."""
+    layers = []
+    for name, kernel_class in zip(NAMES, (KpKernel0, KpKernel1, KpKernel2), strict=True):
+        layer = type(name, (nn.Module,), {"kernel_layer_name": name, "forward": lambda self, x: x * 1.0})()
+        layer.forward = types.MethodType(kernel_class.forward, layer)  # as kernels binds
+        layers.append(layer)
+    return kp.attach(nn.Sequential(*layers))

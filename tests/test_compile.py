@@ -9,40 +9,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import subprocess
-import sys
 import threading
-import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import torch
 import torch._dynamo
-from _helpers import graph_breaks, kernel_ran
+from _helpers import NAMES, CountingBackend, graph_breaks, kernel_ran, three_kernel_layers
 from torch import nn
 
 import kernelpolicy as kp
-from kernelpolicy._doctor import doctor
 from kernelpolicy._policy import MODES
 from kernelpolicy.testing import DemoModel
 
 X = torch.randn(2, 16, generator=torch.Generator().manual_seed(4))
-
-
-class CountingBackend:
-    """An eager backend that keeps every graph it is given."""
-
-    def __init__(self) -> None:
-        self.graphs: list[torch.fx.GraphModule] = []
-
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
-        self.graphs.append(gm)
-        return gm.forward
-
-    @property
-    def compiles(self) -> int:
-        return len(self.graphs)
 
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
@@ -288,68 +269,19 @@ def test_asyncio_tasks_see_their_own_policy_on_one_compiled_model(kernelized: Ca
     assert graph_breaks() == 0
 
 
-def test_doctor_passes_on_this_torch() -> None:
-    report = doctor()
-    assert report.ok, str(report)
-    assert report.versions["torch"] == torch.__version__
-    text = str(report)
-    assert "mechanism:" in text and "all checks passed" in text
-
-
-def test_doctor_command() -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "kernelpolicy", "doctor"], capture_output=True, text=True, timeout=300, check=False
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "[ok] follows the policy of each call" in done.stdout
-
-
 # --- compiles count programs, not policies --------------------------------------------------
-
-_NAMES = ("KpA", "KpB", "KpC")
-
-
-class KpKernel0(nn.Module):
-    can_torch_compile = True
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + 1
-
-
-class KpKernel1(nn.Module):
-    can_torch_compile = True
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + 10
-
-
-class KpKernel2(nn.Module):
-    can_torch_compile = True
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + 100
-
-
-def _three_kernel_layers() -> nn.Sequential:
-    """Three layers with distinct kernel layer names; kernel i adds 10**i (all traceable)."""
-    layers = []
-    for name, kernel_class in zip(_NAMES, (KpKernel0, KpKernel1, KpKernel2), strict=True):
-        layer = type(name, (nn.Module,), {"kernel_layer_name": name, "forward": lambda self, x: x * 1.0})()
-        layer.forward = types.MethodType(kernel_class.forward, layer)  # as kernels binds
-        layers.append(layer)
-    return kp.attach(nn.Sequential(*layers))
 
 
 def test_64_policies_compile_8_programs_and_recording_adds_none() -> None:
     """Every combination, the process default's own first (``prefer`` everywhere), in itertools order."""
-    compiled = torch.compile(_three_kernel_layers(), backend=(backend := CountingBackend()), fullgraph=True)
+    compiled = torch.compile(three_kernel_layers(), backend=(backend := CountingBackend()), fullgraph=True)
     x = torch.zeros(1)
     combos = list(itertools.product(MODES, repeat=3))
-    assert combos[0] == ("prefer",) * 3 and kp.Policy(**dict(zip(_NAMES, combos[0], strict=True))) == kp.Policy()
+    assert combos[0] == ("prefer",) * 3 and kp.Policy(**dict(zip(NAMES, combos[0], strict=True))) == kp.Policy()
     assert len(combos) == 64
     for recording in (False, True):
         for modes in combos:
-            scope = kp.kernel_policy(**dict(zip(_NAMES, modes, strict=True)))
+            scope = kp.kernel_policy(**dict(zip(NAMES, modes, strict=True)))
             with scope, kp.record_calls() if recording else contextlib.nullcontext():
                 out = compiled(x)
             expected = sum(10.0**i for i, mode in enumerate(modes) if mode != "disable")
@@ -359,7 +291,7 @@ def test_64_policies_compile_8_programs_and_recording_adds_none() -> None:
 
 
 def test_a_scope_equal_to_the_default_and_unscoped_calls_share_graphs() -> None:
-    compiled = torch.compile(_three_kernel_layers(), backend=(backend := CountingBackend()), fullgraph=True)
+    compiled = torch.compile(three_kernel_layers(), backend=(backend := CountingBackend()), fullgraph=True)
     x = torch.zeros(1)
     with kp.kernel_policy("prefer"):  # equal to the process default
         assert compiled(x).item() == 111
@@ -371,7 +303,7 @@ def test_a_scope_equal_to_the_default_and_unscoped_calls_share_graphs() -> None:
 
 def test_a_program_first_compiled_with_no_scope_compiles_once_more_under_a_scope() -> None:
     """The one extra compile that remains (README, "torch.compile and export"): pinned, so a change shows."""
-    compiled = torch.compile(_three_kernel_layers(), backend=(backend := CountingBackend()), fullgraph=True)
+    compiled = torch.compile(three_kernel_layers(), backend=(backend := CountingBackend()), fullgraph=True)
     x = torch.zeros(1)
     assert compiled(x).item() == 111  # no scope: guarded on DEFAULTS.active is DEFAULTS.active._current
     with kp.kernel_policy("prefer"):
@@ -404,52 +336,3 @@ def test_an_untraceable_kernel_is_one_program_except_require(kernelized: Callabl
             assert not kernel_ran(compiled(X))
     assert backend.compiles == 1
     assert graph_breaks() == 0
-
-
-# --- warm-up ----------------------------------------------------------------------------------
-
-
-def _expected(policy: kp.Policy) -> float:
-    return sum(10.0**i for i, name in enumerate(_NAMES) if policy.mode_for(name) != "disable")
-
-
-def test_warmup_compiles_each_program_once_then_serving_compiles_nothing() -> None:
-    compiled = torch.compile(_three_kernel_layers(), backend=(backend := CountingBackend()), fullgraph=True)
-    x = torch.zeros(1)
-    texts = ["disable", "require", "verify,KpA=disable", "prefer,KpA=disable,KpB=require", "KpC=disable"]
-    policies = [kp.Policy.parse(text) for text in texts]
-    report = kp.warmup(compiled, x, policies=texts)
-    assert [policy for policy, _ in report.compiles] == policies
-    assert [n for _, n in report.compiles] == [1, 1, 1, 0, 1]  # the 4th has the 3rd's program
-    assert report.total == backend.compiles == 4
-    assert str(report).splitlines()[0] == "warm-up: 4 graphs for 5 policies"
-    for policy in policies * 3:  # serving in the warm-up thread: nothing compiles
-        with kp.kernel_policy(policy):
-            assert compiled(x).item() == _expected(policy)
-    assert backend.compiles == 4
-    # Warm-up compiles under explicit scopes, whose guards the unscoped process default also passes.
-    assert compiled(x).item() == _expected(kp.Policy())
-    assert backend.compiles == 4
-    # Not asserted here: serving from fresh threads after a warm-up. TorchDynamo races on this
-    # frame's cache there ("runtime guards failed even though they passed"): on torch 2.14.1, ten
-    # fresh threads recompiled past the limit of 8 (FailOnRecompileLimitHit with fullgraph=True).
-    # test_threads_see_their_own_policy_on_one_compiled_model reports those extra compiles.
-
-
-def test_warmup_past_the_recompile_limit_names_policies_and_remedy() -> None:
-    compiled = torch.compile(_three_kernel_layers(), backend="eager", fullgraph=True)
-    with (
-        torch._dynamo.config.patch(recompile_limit=2),
-        pytest.raises(RuntimeError, match=r"kernelpolicy\.warmup: compiling for policy 'prefer,KpB=disable'") as info,
-    ):
-        kp.warmup(compiled, torch.zeros(1), policies=["require", "KpA=disable", "KpB=disable"])
-    message = str(info.value)
-    assert "recompile_limit = 2" in message and "['require', 'prefer,KpA=disable']" in message
-    assert "raise torch._dynamo.config.recompile_limit" in message
-
-
-def test_warmup_rejects_bad_policy_text_before_compiling() -> None:
-    compiled = torch.compile(_three_kernel_layers(), backend=(backend := CountingBackend()), fullgraph=True)
-    with pytest.raises(kp.PolicyError, match="warmup policy='fast'"):
-        kp.warmup(compiled, torch.zeros(1), policies=["prefer", "fast"])
-    assert backend.compiles == 0

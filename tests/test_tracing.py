@@ -47,22 +47,6 @@ def test_eager_runs_any_bound_kernel_unless_disabled(
     assert kp.execution_state() == "eager"
 
 
-@pytest.mark.parametrize("fullgraph", [True, False])
-@pytest.mark.parametrize(("mode", "kind", "kernel_expected"), CASES)
-def test_compile(
-    kernelized: Callable[..., DemoModel], mode: str, kind: str, kernel_expected: bool, fullgraph: bool
-) -> None:
-    model = kernelized(kind)
-    compiled = torch.compile(model, backend="eager", fullgraph=fullgraph)
-    with scope(mode):
-        out = compiled(X)
-        expected = model(X) if kernel_expected else None
-    assert kernel_ran(out) is kernel_expected
-    if expected is not None:
-        torch.testing.assert_close(out, expected)
-    assert graph_breaks() == 0
-
-
 @pytest.mark.slow  # inductor's code generation takes about a minute on 2 cores
 def test_compile_default_inductor_backend(kernelized: Callable[..., DemoModel]) -> None:
     model = kernelized("traceable")
