@@ -267,8 +267,7 @@ class Policy:
                 check_layer_name(name)
                 layers[name] = check_mode(mode, f"layer {_shown(name)}")
             except PolicyError as exc:
-                detail = str(exc) if _VALID in str(exc) else f"{exc}; valid modes are {_VALID}"
-                raise PolicyError(f"{where}: {detail}") from None
+                raise PolicyError(f"{where}: {exc}") from None
         return _make(default if default is not None else "prefer", layers, _options(NO_OPTIONS, options))
 
     def _option_items(self) -> list[tuple[str, object]]:

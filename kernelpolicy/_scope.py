@@ -32,14 +32,18 @@ Guarantees:
 from __future__ import annotations
 
 import contextvars
+import difflib
 import functools
 import inspect
+import os
+import sys
+import warnings
 from contextvars import ContextVar, Token
-from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar, cast, final
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar, cast, final, overload
 
-from ._active import _SCOPED, DEFAULTS, RECORDERS, Active, activate, ensure_env
+from ._active import _SCOPED, DEFAULTS, RECORDERS, Active, activate, ensure_env, known_layers
 from ._errors import PolicyError, ScopeError
-from ._policy import BUILTIN, Policy, PolicyMode, check_layer_name, check_mode, split_options
+from ._policy import BUILTIN, MODES, Policy, PolicyMode, check_layer_name, check_mode, split_options
 
 if TYPE_CHECKING:
     from collections.abc import AsyncGenerator, Awaitable, Callable, Generator, Mapping
@@ -64,11 +68,29 @@ _CACHE_LIMIT = 64
 
 
 def _validated(
-    mode: object, arguments: Mapping[str, object]
+    mode: object, arguments: Mapping[str, object], *, what: str = "kernel_policy"
 ) -> tuple[Policy | None, PolicyMode | None, dict[str, PolicyMode], dict[str, object]]:
-    """Check scope arguments eagerly; return (fixed policy, default mode, layer modes, verify options)."""
+    """Check scope arguments eagerly; return (fixed policy, default mode, layer modes, verify options).
+
+    ``mode=`` as a keyword is the mode of every layer, like the positional (``kernelize`` takes ``mode=``
+    too). A layer name close to a known one (another case, a small edit) warns with the known name, at
+    the caller's line.
+    """
+    if "mode" in arguments:
+        arguments = dict(arguments)
+        keyword = arguments.pop("mode")
+        if mode is not None:
+            raise PolicyError(f"{what} got its mode twice: {mode!r} (positional) and mode={keyword!r}")
+        mode = keyword
+    if callable(mode) and not isinstance(mode, (str, Policy)):
+        raise PolicyError(
+            f"{what} was given {mode!r} as its mode: as a decorator it needs its arguments, "
+            f"@{what}('disable') or @{what}(RMSNorm='disable'), not @{what}"
+        )
     layers, options = split_options(arguments)
     checked = {check_layer_name(name): check_mode(value, f"layer {name!r}") for name, value in layers.items()}
+    for name in checked:
+        _hint_known_layer(name, what)
     if isinstance(mode, Policy):
         if checked or options:
             raise PolicyError(
@@ -78,7 +100,38 @@ def _validated(
         return mode, None, {}, {}
     if mode is None:
         return None, None, checked, options
+    if isinstance(mode, str) and mode not in MODES and mode.isidentifier():
+        raise PolicyError(
+            f"unknown kernel policy mode {mode!r} for every layer; valid modes are {', '.join(map(repr, MODES))}. "
+            f"A positional argument is the mode of every layer; to set one layer, name it: {what}({mode}='disable')"
+        )
     return None, check_mode(mode, "the default"), checked, options
+
+
+def _hint_known_layer(name: str, what: str) -> None:
+    """Warn when ``name`` is not a known kernel layer name but differs from one by case or a small edit.
+
+    A warning, not an error: a model loaded later may bring that name. It points at the first frame
+    outside kernelpolicy (the user's line), as pandas' ``find_stack_level`` does.
+    """
+    known = known_layers()
+    if not known or name in known:
+        return
+    close = [k for k in sorted(known) if k.lower() == name.lower()] or difflib.get_close_matches(name, known, 1, 0.8)
+    if not close:
+        return
+    level, frame = 1, sys._getframe(0)
+    while frame.f_back is not None and os.path.dirname(frame.f_code.co_filename) == _PACKAGE:
+        level, frame = level + 1, frame.f_back
+    warnings.warn(
+        f"{what}: no kernel layer is named {name!r} (names are case-sensitive); did you mean {close[0]!r}? "
+        f"Known kernel layers: {', '.join(sorted(known))}",
+        UserWarning,
+        stacklevel=level,
+    )
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
 
 
 @final
@@ -87,7 +140,10 @@ class kernel_policy:  # noqa: N801 - lowercase like numpy.errstate and decimal.l
 
     ``kernel_policy(mode=None, /, **layers)``: ``mode`` names every layer,
     keyword arguments name single kernel layers (by the name given to
-    ``use_kernel_forward_from_hub``). A :class:`~kernelpolicy.Policy` value
+    ``use_kernel_forward_from_hub``). ``mode=`` may be given by keyword too
+    (as ``kernelize`` takes it); a kernel layer cannot be named ``mode``. A
+    layer name that is not known but close to a known one (another case, a
+    small edit) warns with the known name. A :class:`~kernelpolicy.Policy` value
     may be passed instead of ``mode`` to re-apply a captured policy.
     ``atol``, ``rtol`` and ``on_mismatch`` set the options of ``verify``.
 
@@ -294,7 +350,15 @@ class _InContext:
 _DISABLED_ALL = kernel_policy("disable")
 
 
-def kernels_disabled(*layer_names: str) -> kernel_policy:
+@overload
+def kernels_disabled(function: F, /) -> F: ...
+
+
+@overload
+def kernels_disabled(*layer_names: str) -> kernel_policy: ...
+
+
+def kernels_disabled(*layer_names: Any) -> Any:
     """``kernel_policy("disable")``; with names, disable only those kernel layers.
 
     >>> from kernelpolicy import current_policy, kernels_disabled
@@ -304,9 +368,19 @@ def kernels_disabled(*layer_names: str) -> kernel_policy:
     >>> with kernels_disabled("RMSNorm"):
     ...     current_policy().mode_for("RMSNorm"), current_policy().mode_for("SiLU")
     ('disable', 'prefer')
+
+    As a decorator, with or without parentheses:
+
+    >>> @kernels_disabled
+    ... def reference():
+    ...     return current_policy().default
+    >>> reference()
+    'disable'
     """
     if not layer_names:
         return _DISABLED_ALL
+    if len(layer_names) == 1 and callable(layer_names[0]) and not isinstance(layer_names[0], str):
+        return _DISABLED_ALL(layer_names[0])  # @kernels_disabled without parentheses
     seen: set[str] = set()
     for name in layer_names:
         check_layer_name(name)
@@ -333,7 +407,7 @@ def set_default_policy(mode: PolicyMode | Policy | None = None, /, **layers: Any
     'disable'
     >>> _ = kernelpolicy.set_default_policy(previous)
     """
-    fixed, default, checked, options = _validated(mode, layers)
+    fixed, default, checked, options = _validated(mode, layers, what="set_default_policy")
     ensure_env()
     with DEFAULTS.lock:
         previous = DEFAULTS.active.policy
