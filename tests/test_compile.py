@@ -94,7 +94,34 @@ def test_kernel_without_backward_follows_autograd_when_compiled(
     with torch.no_grad():
         assert kernel_ran(compiled(X))  # no grad: the kernel is usable, a second graph
     assert backend.compiles == 2
-    model.requires_grad_(False)  # frozen: recorded only when the input requires grad
+    assert graph_breaks() == 0
+
+
+def _dynamo_guards_parameter_requires_grad() -> bool:
+    """Whether TorchDynamo recompiles when a parameter's requires_grad changes (torch 2.9.1's does not)."""
+
+    class Probe(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(1, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + 1 if any(p.requires_grad for p in self.lin._parameters.values()) else x
+
+    probe = Probe()
+    compiled = torch.compile(probe, backend="eager", fullgraph=True)
+    compiled(torch.zeros(1))
+    probe.requires_grad_(False)
+    return bool(compiled(torch.zeros(1)).item() == 0)
+
+
+def test_compiled_kernel_without_backward_after_freezing(kernelized: Callable[..., DemoModel]) -> None:
+    if not _dynamo_guards_parameter_requires_grad():
+        pytest.skip(f"TorchDynamo on torch {torch.__version__} does not guard a parameter's requires_grad")
+    model = kernelized("no_backward")
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    assert not kernel_ran(compiled(X))
+    model.requires_grad_(False)  # frozen: autograd records a call only when its input requires grad
     assert kernel_ran(compiled(X))
     assert not kernel_ran(compiled(X.clone().requires_grad_()))
     with torch.no_grad():
