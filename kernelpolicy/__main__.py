@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import sys
 
+DESCRIPTION = "kernelpolicy: decide at every forward call whether a layer runs its kernel or its original forward."
+
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kernelpolicy", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m kernelpolicy", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("demo", help="kernelize a tiny model with a local kernel and show the path under several policies")
     sub.add_parser("doctor", help="check on this torch that a policy switch changes the compiled path")

@@ -77,7 +77,7 @@ class OriginalUnavailableError(KernelUnavailableError):
 
     def __init__(self, *, module_name: str | None, layer_name: str, module_class: str, reason: str) -> None:
         super().__init__(module_name=module_name, layer_name=layer_name, module_class=module_class, reason=reason)
-        where = f"module {module_name!r}" if module_name else "a module"
+        where = _named(module_name)
         self.args = (f"no original forward for {where} ({module_class}, kernel layer {layer_name!r}): {reason}",)
 
     def __reduce__(self) -> tuple[object, ...]:
@@ -92,9 +92,14 @@ def _rebuild_original(
     )
 
 
+def _named(module_name: str | None) -> str:
+    """How a message names the module: by its name in the model, or says how to give it one."""
+    return f"module {module_name!r}" if module_name else "an unnamed module (kernelpolicy.attach(model) names it)"
+
+
 def unavailable_message(module_name: str | None, layer_name: str, module_class: str, reason: str) -> str:
     """The message of :class:`KernelUnavailableError` (plain function: TorchDynamo traces it)."""
-    where = f"module {module_name!r}" if module_name else "a module"
+    where = _named(module_name)
     return f"kernel required but unavailable for {where} ({module_class}, kernel layer {layer_name!r}): {reason}"
 
 
@@ -137,7 +142,7 @@ class KernelMismatchError(AssertionError):
         self.max_abs = max_abs
         self.max_rel = max_rel
         self.index = index
-        module = f"module {module_name!r}" if module_name else "a module"
+        module = _named(module_name)
         numbers = f"; max abs error {max_abs:.3g}, max rel error {max_rel:.3g}" if max_abs == max_abs else ""
         at = f", first mismatch at index {index}" if index is not None else ""
         super().__init__(

@@ -157,8 +157,8 @@ class Explanation:
                 row.layer_name,
                 row.module_class.rsplit(".", 1)[-1],
                 row.kernel or "-",
-                "yes" if row.can_torch_compile else "no",
-                "yes" if row.has_backward else "no",
+                _flag(row, row.can_torch_compile),
+                _flag(row, row.has_backward),
                 row.mode,
                 row.path,
                 row.reason,
@@ -179,6 +179,13 @@ class Explanation:
                 f"layers in this process): {', '.join(self.ungoverned)}"
             )
         return "\n".join(lines)
+
+
+def _flag(row: LayerRow, value: bool) -> str:
+    """A kernel's declaration as the table shows it: "-" where no kernel is bound or kernelpolicy cannot see it."""
+    if row.kernel is None or not row.policy_aware:
+        return "-"
+    return "yes" if value else "no"
 
 
 def explain(model: nn.Module, *, calls: CallCounts | None = None) -> Explanation:

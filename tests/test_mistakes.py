@@ -82,3 +82,34 @@ def test_a_layer_named_twice_has_no_irrelevant_tail() -> None:
     with pytest.raises(kp.PolicyError) as info:
         kp.Policy.parse("MistakeNorm=disable,MistakeNorm=prefer")
     assert str(info.value) == "policy 'MistakeNorm=disable,MistakeNorm=prefer': layer 'MistakeNorm' named twice"
+
+
+def test_an_unnamed_module_is_called_so_with_the_fix() -> None:
+    layer = MistakeNorm()  # aware from construction, never attached through a model
+    with kp.kernel_policy("require"), pytest.raises(kp.KernelUnavailableError) as info:
+        layer(torch.ones(1))
+    assert str(info.value).startswith(
+        "kernel required but unavailable for an unnamed module (kernelpolicy.attach(model) names it) "
+    )
+    model = kp.attach(torch.nn.Sequential(layer))
+    with kp.kernel_policy("require"), pytest.raises(kp.KernelUnavailableError, match="for module '0' "):
+        model(torch.ones(1))
+
+
+def test_explain_shows_a_dash_where_a_column_does_not_apply() -> None:
+    table = str(kp.explain(kp.attach(torch.nn.Sequential(MistakeNorm()))))
+    header, _, row = table.splitlines()[1:4]
+    cells = dict(zip(header.split(), row.split(), strict=False))
+    assert cells["kernel"] == "-" and cells["compile"] == "-" and cells["backward"] == "-"
+
+
+def test_the_command_line_help_is_plain_text() -> None:
+    import contextlib
+    import io
+
+    from kernelpolicy.__main__ import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+        main(["--help"])
+    assert "``" not in out.getvalue() and "kernelpolicy: decide at every forward call" in out.getvalue()
