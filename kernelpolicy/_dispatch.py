@@ -304,7 +304,7 @@ class Binding:
             # and raise from code Dynamo never traces (torch 2.9 traces the code
             # after the break and fails on the raise with an internal error).
             torch._dynamo.graph_break(
-                msg=unavailable_message(self.module_name, self.layer_name, self.module_class, reason)
+                msg=unavailable_message(self.module_name, self.layer_name, self.module_class, reason) + COMPILED_FIX
             )
             _raise_unavailable(self, reason)
         raise self.error(reason)
@@ -427,6 +427,13 @@ class Binding:
             )
 
 
+#: What a failing ``require`` under TorchDynamo adds to its message: Dynamo prints it after its own
+#: "Call to torch._dynamo.graph_break()" line and before its hint to remove the call, which does not apply.
+COMPILED_FIX: Final = (
+    ". This graph break is kernelpolicy's `require` failing (not a call to remove): run this layer under "
+    "'prefer' to take its original forward when compiled, or bind a kernel that can be traced; with "
+    "fullgraph=False the KernelUnavailableError is raised at run time instead"
+)
 NO_SHARDING: Final = "kernel cannot run on DTensor inputs (its op has no sharding strategy)"
 ON_LOCAL_SHARDS: Final = "kernel run on local shards (declared with kernelpolicy.distributed.run_on_local_shards)"
 #: Kernel layer name -> how its kernel runs on local shards when its op has no DTensor sharding strategy:

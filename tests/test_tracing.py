@@ -68,6 +68,10 @@ def test_require_untraceable_under_fullgraph_fails_compilation_with_reason(
     message = str(info.value)
     assert "kernel required but unavailable for module 'blocks.0.1'" in message
     assert "kernel cannot be traced under compile" in message
+    # with the fix, and before Dynamo's hint to remove the call (which does not apply)
+    assert "not a call to remove" in message and "'prefer'" in message
+    if "Hint:" in message:
+        assert message.index("kernel required but unavailable") < message.index("Hint:")
 
 
 def test_require_untraceable_without_fullgraph_raises_kernel_unavailable(kernelized: Callable[..., DemoModel]) -> None:
