@@ -12,7 +12,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kernelpolicy", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("demo", help="kernelize a tiny model with a local kernel and show the path under several policies")
-    sub.add_parser("doctor", help="check on this torch that a policy switch changes the compiled path")
+    doctor_parser = sub.add_parser("doctor", help="check that policies reach eager, traced and compiled calls here")
+    doctor_parser.add_argument("--verbose", action="store_true", help="also the internals: mechanism, private names")
     args = parser.parse_args(argv)
     if args.command == "demo":
         from ._demo import demo
@@ -22,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     from ._doctor import doctor
 
     report = doctor()
-    print(report)
+    print(report.verbose() if args.verbose else report)
     return 0 if report.ok else 1
 
 

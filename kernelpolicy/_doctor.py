@@ -18,6 +18,8 @@ the doctor checks them for real on this install:
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import inspect
 import sys
 import threading
 import types
@@ -29,7 +31,7 @@ from torch import nn
 
 from . import _state
 from ._binding import _CHECKED_CALL_NAMES, FAST_CALL, attach, torch_call_names
-from ._compat import probe
+from ._compat import SUPPORTED, probe
 from ._scope import kernel_policy, kernels_disabled
 
 __all__ = ["DoctorReport", "doctor"]
@@ -45,6 +47,8 @@ class DoctorReport:
     """What :func:`doctor` found; ``ok`` is True when every check passed."""
 
     versions: dict[str, str]
+    #: Whether transformers runs hub kernels with the installed kernels, and why (a line for users).
+    transformers: str
     mechanism: str
     native_contextvar_get: bool
     fast_call: str
@@ -57,8 +61,28 @@ class DoctorReport:
         return all(passed for _, passed, _ in self.checks)
 
     def __str__(self) -> str:
+        """The verdict for users: versions, transformers' integration, one line per check."""
+        lines = [
+            "kernelpolicy doctor",
+            "  " + ", ".join(f"{name} {version}" for name, version in self.versions.items()),
+        ]
+        lines.append(f"  transformers: {self.transformers}")
+        lines += [f"  [{'ok' if passed else 'FAIL'}] {name}" for name, passed, _ in self.checks]
+        lines.append(
+            "result: "
+            + (
+                "all checks passed: policies reach eager, traced and compiled calls on this torch"
+                if self.ok
+                else "SOME CHECKS FAILED (python -m kernelpolicy doctor --verbose shows why)"
+            )
+        )
+        return "\n".join(lines)
+
+    def verbose(self) -> str:
+        """Everything, for maintainers: the mechanism, the private names read and each check's detail."""
         lines = ["kernelpolicy doctor"]
         lines += [f"  {name}: {version}" for name, version in self.versions.items()]
+        lines.append(f"  transformers: {self.transformers}")
         lines.append(f"  mechanism: {self.mechanism}")
         native = "yes" if self.native_contextvar_get else "no (not needed)"
         lines.append(f"  Dynamo traces ContextVar.get natively: {native}")
@@ -150,6 +174,41 @@ def _traced_states() -> dict[str, str]:
     return seen
 
 
+def _transformers_integration() -> str:
+    """Whether transformers' hub-kernel integration is on with the installed kernels, and why not."""
+    if importlib.util.find_spec("transformers") is None:
+        return "not installed"
+    try:
+        from transformers.utils import import_utils
+    except Exception as exc:  # noqa: BLE001 - reported, not raised
+        return f"{_version('transformers')}, cannot be imported here ({type(exc).__name__}: {exc})"
+    available = getattr(import_utils, "is_kernels_available", None)
+    if available is None:
+        return f"{_version('transformers')}, has no hub-kernel integration"
+    versions = f"transformers {_version('transformers')} with kernels {_version('kernels')}"
+    if available():
+        return f"hub kernels on ({versions}; use_kernels=True, then kernelpolicy.attach(model))"
+    bounds = {
+        name: parameter.default
+        for name, parameter in inspect.signature(available).parameters.items()
+        if parameter.default is not parameter.empty
+    }
+    wants = (
+        f" (it enables them only with kernels >= {bounds['MIN_VERSION']}, < {bounds['MAX_VERSION']})"
+        if {
+            "MIN_VERSION",
+            "MAX_VERSION",
+        }
+        <= bounds.keys()
+        else ""
+    )
+    return (
+        f"hub kernels OFF: {versions}{wants}; use_kernels=True silently does nothing. "
+        f"kernelpolicy supports kernels >= {SUPPORTED['kernels'][0]}, < {SUPPORTED['kernels'][1]} "
+        "(docs/transformers.md lists the transformers releases tested)"
+    )
+
+
 def doctor() -> DoctorReport:
     """Run the checks; see :class:`DoctorReport`."""
     from torch._dynamo.utils import counters
@@ -217,6 +276,7 @@ def doctor() -> DoctorReport:
     torch.compiler.reset()
     return DoctorReport(
         versions=versions,
+        transformers=_transformers_integration(),
         mechanism=MECHANISM,
         native_contextvar_get=_native_contextvar_get(),
         fast_call=_fast_call(),

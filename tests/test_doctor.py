@@ -4,18 +4,24 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from typing import TYPE_CHECKING
 
 import torch
 
 from kernelpolicy._doctor import doctor
+
+if TYPE_CHECKING:
+    import pytest
 
 
 def test_doctor_passes_on_this_torch() -> None:
     report = doctor()
     assert report.ok, str(report)
     assert report.versions["torch"] == torch.__version__
-    text = str(report)
-    assert "mechanism:" in text and "all checks passed" in text
+    text = str(report)  # the verdict for users
+    assert "all checks passed" in text and "mechanism:" not in text and "private names" not in text
+    assert "transformers: hub kernels on (transformers" in text
+    assert "mechanism:" in report.verbose() and "private names read:" in report.verbose()
 
 
 def test_doctor_command() -> None:
@@ -23,4 +29,31 @@ def test_doctor_command() -> None:
         [sys.executable, "-m", "kernelpolicy", "doctor"], capture_output=True, text=True, timeout=300, check=False
     )
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "[ok] follows the policy of each call" in done.stdout
+    assert "[ok] follows the policy of each call" in done.stdout and "private names" not in done.stdout
+    verbose = subprocess.run(
+        [sys.executable, "-m", "kernelpolicy", "doctor", "--verbose"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert verbose.returncode == 0 and "private names read:" in verbose.stdout
+
+
+def test_doctor_says_when_transformers_runs_no_hub_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """transformers 5.23 and later gate their integration to kernels releases not supported here.
+
+    Such a pair cannot be installed beside the tested one, so its gate is stood in for: a function with
+    transformers' own signature that answers no.
+    """
+    from transformers.utils import import_utils
+
+    from kernelpolicy._doctor import _transformers_integration
+
+    def is_kernels_available(MIN_VERSION: str = "0.18.0", MAX_VERSION: str = "0.19.0") -> bool:  # noqa: N803
+        return False
+
+    monkeypatch.setattr(import_utils, "is_kernels_available", is_kernels_available)
+    line = _transformers_integration()
+    assert line.startswith("hub kernels OFF: transformers ") and "only with kernels >= 0.18.0, < 0.19.0" in line
+    assert "use_kernels=True silently does nothing" in line
