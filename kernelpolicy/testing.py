@@ -11,9 +11,10 @@ and CUDA builds of torch alike::
 CUDA build even without a GPU, and rejects a ``torch-cpu`` variant there; a
 ``torch-universal`` variant is accepted on every build.)
 
-the demo model (:class:`DemoModel`, built from :class:`RMSNorm` layers marked for
-the ``RMSNorm`` hub kernel, as transformers marks Llama's), and a ready RMSNorm
-kernel whose behaviour is observable: a module-level call
+the test models (:class:`DemoModel`, built from :class:`RMSNorm` layers marked for
+the ``RMSNorm`` hub kernel, as transformers marks Llama's; :class:`ShowcaseModel`,
+the demo's, with :class:`SiLU` marked too), :func:`kernelize_locally`, and ready
+kernels whose behaviour is observable: a module-level call
 counter (eager calls only, so that ``torch.compile`` does not guard on it) and
 an optional output offset (to see the path inside a compiled graph).
 
@@ -26,7 +27,6 @@ an optional output offset (to see the path inside a compiled graph).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import sys
 import textwrap
@@ -37,7 +37,8 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator, Mapping
+    import contextlib
+    from collections.abc import Mapping
     from pathlib import Path
 
 M = TypeVar("M", bound=nn.Module)
@@ -47,13 +48,15 @@ __all__ = [
     "VARIANT",
     "DemoModel",
     "RMSNorm",
+    "ShowcaseModel",
+    "SiLU",
     "custom_op_rms_norm_kernel_source",
     "flash_attention_kernel_source",
     "kernel_calls",
     "kernelize_locally",
-    "kernelized_demo_model",
     "local_mapping",
     "rms_norm_kernel_source",
+    "silu_kernel_source",
     "tiny_llama",
     "write_kernel_repo",
 ]
@@ -337,6 +340,51 @@ class RMSNorm(nn.Module):
         return out
 
 
+def silu_kernel_source(*, can_torch_compile: bool = False) -> str:
+    """``layers.py`` for a SiLU kernel computing what :class:`SiLU` computes (bit-identical), counting eager calls."""
+    return f"""
+        import torch
+        from torch import nn
+
+        CALLS = [0]
+
+
+        class SiLU(nn.Module):
+            can_torch_compile = {can_torch_compile!r}
+
+            def forward(self, hidden_states):
+                if not torch.compiler.is_compiling():
+                    CALLS[0] += 1
+                return hidden_states * torch.sigmoid(hidden_states)
+    """
+
+
+@_mark("SiLU")
+class SiLU(nn.Module):
+    """SiLU marked for the ``SiLU`` hub kernel, as transformers marks its activation."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return hidden_states * torch.sigmoid(hidden_states)
+
+
+class ShowcaseModel(nn.Module):
+    """:class:`DemoModel` with its activations marked too: two kinds of kernel layers (``RMSNorm``, ``SiLU``)."""
+
+    def __init__(self, hidden: int = 32, blocks: int = 2) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(hidden, hidden), RMSNorm(hidden), SiLU(), nn.Linear(hidden, hidden))
+            for _ in range(blocks)
+        )
+        self.norm = RMSNorm(hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x)
+        out: torch.Tensor = self.norm(x)
+        return out
+
+
 class DemoModel(nn.Module):
     """Linear -> RMSNorm -> SiLU -> Linear -> RMSNorm, twice."""
 
@@ -353,12 +401,3 @@ class DemoModel(nn.Module):
             x = x + block(x)
         out: torch.Tensor = self.norm(x)
         return out
-
-
-@contextlib.contextmanager
-def kernelized_demo_model(
-    root: Path, *, can_torch_compile: bool = True, offset: float = 0.0, hidden: int = 32
-) -> Iterator[DemoModel]:
-    """A :class:`DemoModel` kernelized with a local RMSNorm kernel written under ``root``."""
-    repo = write_kernel_repo(root, rms_norm_kernel_source(can_torch_compile=can_torch_compile, offset=offset))
-    yield kernelize_locally(DemoModel(hidden).eval(), {"RMSNorm": repo})

@@ -28,3 +28,22 @@ def test_the_top_level_is_what_a_user_needs() -> None:
     assert len(kernelpolicy.__all__) == 27
     assert kernelpolicy.distributed.PolicyMismatchError.__module__ == "kernelpolicy.distributed"
     assert callable(kernelpolicy.processes.worker_init_fn) and callable(kernelpolicy.processes.child_env)
+
+
+def test_the_demo_shows_each_scene_with_the_numbers_it_claims() -> None:
+    from kernelpolicy._demo import demo
+
+    lines: list[str] = []
+    demo(lambda *parts: lines.append(" ".join(str(p) for p in parts)))
+    text = "\n".join(lines)
+    assert "calls {'RMSNorm': {'kernel': 3}, 'SiLU': {'kernel': 2}}" in text  # prefer
+    assert "calls {'RMSNorm': {'original': 3}, 'SiLU': {'original': 2}}" in text  # kernels_disabled()
+    assert "calls {'RMSNorm': {'kernel': 3}, 'SiLU': {'original': 2}}" in text  # the per-layer override
+    assert "kernel minus original: +0.5000 to +0.5000" in text  # what the text says the kernel adds
+    assert "KernelMismatchError: kernel output differs from the original forward for module 'blocks.0.1'" in text
+    assert "the SiLU kernel passes: {'RMSNorm': {'original': 3}, 'SiLU': {'kernel': 2}}" in text
+    assert text.count("(equal to eager)") == 2 and "backend='eager'" in text
+    assert (
+        "kernel_policy('require'): KernelUnavailableError: kernel required but unavailable for module 'blocks.0.2'"
+        in text
+    )
