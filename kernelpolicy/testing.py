@@ -367,37 +367,26 @@ class SiLU(nn.Module):
         return hidden_states * torch.sigmoid(hidden_states)
 
 
-class ShowcaseModel(nn.Module):
+class DemoModel(nn.Module):
+    """Linear -> RMSNorm -> SiLU -> Linear -> RMSNorm, twice (``activation``: torch's SiLU unless given)."""
+
+    def __init__(self, hidden: int = 32, blocks: int = 2, activation: type[nn.Module] = nn.SiLU) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(hidden, hidden), RMSNorm(hidden), activation(), nn.Linear(hidden, hidden))
+            for _ in range(blocks)
+        )
+        self.norm = RMSNorm(hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x)
+        out: torch.Tensor = self.norm(x)
+        return out
+
+
+class ShowcaseModel(DemoModel):
     """:class:`DemoModel` with its activations marked too: two kinds of kernel layers (``RMSNorm``, ``SiLU``)."""
 
     def __init__(self, hidden: int = 32, blocks: int = 2) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(
-            nn.Sequential(nn.Linear(hidden, hidden), RMSNorm(hidden), SiLU(), nn.Linear(hidden, hidden))
-            for _ in range(blocks)
-        )
-        self.norm = RMSNorm(hidden)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = x + block(x)
-        out: torch.Tensor = self.norm(x)
-        return out
-
-
-class DemoModel(nn.Module):
-    """Linear -> RMSNorm -> SiLU -> Linear -> RMSNorm, twice."""
-
-    def __init__(self, hidden: int = 32, blocks: int = 2) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(
-            nn.Sequential(nn.Linear(hidden, hidden), RMSNorm(hidden), nn.SiLU(), nn.Linear(hidden, hidden))
-            for _ in range(blocks)
-        )
-        self.norm = RMSNorm(hidden)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = x + block(x)
-        out: torch.Tensor = self.norm(x)
-        return out
+        super().__init__(hidden, blocks, activation=SiLU)
