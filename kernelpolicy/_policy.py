@@ -23,7 +23,7 @@ from ._errors import PolicyError
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
-__all__ = ["ENV_VAR", "MODES", "Policy", "PolicyMode"]
+__all__ = ["ENV_VAR", "MODES", "VALID_MODES", "Policy", "PolicyMode"]
 
 PolicyMode = Literal["prefer", "disable", "require", "verify"]
 """What a policy says for a layer. Not ``kernels.Mode``, the flags that
@@ -36,7 +36,8 @@ VERIFY_OPTIONS = ("atol", "rtol", "on_mismatch")
 #: The environment variable that sets the process default (read in ``_active``).
 ENV_VAR = "KERNELPOLICY"
 
-_VALID = ", ".join(repr(m) for m in MODES)
+#: The modes as error messages list them.
+VALID_MODES = ", ".join(repr(m) for m in MODES)
 
 
 class VerifyOptions(NamedTuple):
@@ -75,11 +76,11 @@ def check_mode(value: object, what: str) -> PolicyMode:
         for mode in MODES:
             if value == mode:
                 return mode
-        raise PolicyError(f"unknown kernel policy mode {_shown(value)} for {what}; valid modes are {_VALID}")
+        raise PolicyError(f"unknown kernel policy mode {_shown(value)} for {what}; valid modes are {VALID_MODES}")
     if value is None:
-        raise PolicyError(f"a mode is required for {what}, got None; valid modes are {_VALID}")
+        raise PolicyError(f"a mode is required for {what}, got None; valid modes are {VALID_MODES}")
     raise PolicyError(
-        f"a mode must be a string, got {_shown(value)} ({type(value).__name__}) for {what}; valid modes are {_VALID}"
+        f"a mode must be a string, got {_shown(value)} ({type(value).__name__}) for {what}; valid modes are {VALID_MODES}"
     )
 
 

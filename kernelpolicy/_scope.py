@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar, cast, final, overloa
 
 from ._active import _SCOPED, DEFAULTS, RECORDERS, Active, activate, ensure_env, known_layers
 from ._errors import PolicyError, ScopeError
-from ._policy import BUILTIN, MODES, Policy, PolicyMode, check_layer_name, check_mode, split_options
+from ._policy import BUILTIN, MODES, VALID_MODES, Policy, PolicyMode, check_layer_name, check_mode, split_options
 
 if TYPE_CHECKING:
     from collections.abc import AsyncGenerator, Awaitable, Callable, Generator, Mapping
@@ -102,7 +102,7 @@ def _validated(
         return None, None, checked, options
     if isinstance(mode, str) and mode not in MODES and mode.isidentifier():
         raise PolicyError(
-            f"unknown kernel policy mode {mode!r} for every layer; valid modes are {', '.join(map(repr, MODES))}. "
+            f"unknown kernel policy mode {mode!r} for every layer; valid modes are {VALID_MODES}. "
             f"A positional argument is the mode of every layer; to set one layer, name it: {what}({mode}='disable')"
         )
     return None, check_mode(mode, "the default"), checked, options
@@ -117,7 +117,8 @@ def _hint_known_layer(name: str, what: str) -> None:
     known = known_layers()
     if not known or name in known:
         return
-    close = [k for k in sorted(known) if k.lower() == name.lower()] or difflib.get_close_matches(name, known, 1, 0.8)
+    names = sorted(known)
+    close = [k for k in names if k.lower() == name.lower()] or difflib.get_close_matches(name, names, 1, 0.8)
     if not close:
         return
     level, frame = 1, sys._getframe(0)
@@ -125,7 +126,7 @@ def _hint_known_layer(name: str, what: str) -> None:
         level, frame = level + 1, frame.f_back
     warnings.warn(
         f"{what}: no kernel layer is named {name!r} (names are case-sensitive); did you mean {close[0]!r}? "
-        f"Known kernel layers: {', '.join(sorted(known))}",
+        f"Known kernel layers: {', '.join(names)}",
         UserWarning,
         stacklevel=level,
     )
