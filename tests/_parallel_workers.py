@@ -10,13 +10,12 @@ kernels, adding the kernel's offset where the kernel is expected.
 from __future__ import annotations
 
 import faulthandler
-import gc
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from _workers import init_group
+from _workers import end_rank, init_group
 from torch import nn
 
 import kernelpolicy as kp
@@ -110,21 +109,12 @@ class CountingBackend:
 
 def train_worker(rank: int, world: int, port: int, out_dir: str, case: str, repo: str) -> None:
     """One rank of ``case``: ``ddp`` or ``fsdp-kernelize-first`` / ``-after`` (fully_shard), optionally ``-compiled``."""
-    import torch.distributed as dist
-
     faulthandler.dump_traceback_later(120, exit=True)  # a hung rank prints its stacks before the 150 s deadline
     torch.set_num_threads(1)
     init_group(rank, world, port)
-    try:
-        result = _train_case(rank, case, Path(repo))
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
-    finally:
-        # DDP's reducer (and FSDP2's state) must go before their process group: a DDP module destroyed after
-        # destroy_process_group() hung the rank or aborted it ("terminate called without an active exception")
-        # now and then in torch 2.13. _train_case's locals are gone; compiled frames and cycles still hold them.
-        torch._dynamo.reset()
-        gc.collect()
-        dist.destroy_process_group()
+    result = _train_case(rank, case, Path(repo))
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    end_rank()  # _train_case's locals are gone; end_rank frees what compiled frames and cycles still hold
 
 
 def _train_case(rank: int, case: str, repo: Path) -> dict[str, Any]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NoReturn
+
 import kernelpolicy as kp
 
 
@@ -25,37 +27,59 @@ def init_group(rank: int, world: int, port: int) -> None:
     )
 
 
+def end_rank() -> NoReturn:
+    """Leave the process group and end this rank now, with exit status 0: call it once the rank's results are written.
+
+    A barrier first, so no rank is inside a collective; then the group (and what TorchDynamo and reference
+    cycles still hold of DDP's reducer or FSDP2's state) goes while the interpreter is whole; then
+    ``os._exit`` skips interpreter finalization. There gloo's worker threads, torn down with tensors that
+    still hold Python references, aborted a finished rank now and then ("terminate called without an active
+    exception", SIGABRT, about one run in a few dozen; pytorch/pytorch#179291 describes the mechanism). A
+    rank that raised does not get here: its exception reaches the parent through torch.multiprocessing.
+    """
+    import gc
+    import os
+    import sys
+
+    import torch
+    import torch.distributed as dist
+
+    dist.barrier()
+    torch._dynamo.reset()
+    gc.collect()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def distributed_worker(rank: int, world: int, port: int, out_dir: str, case: str, repo: str) -> None:
     """One rank of a gloo group on 127.0.0.1 (bounded timeout): ``kernelpolicy.distributed`` under ``case``; the outcome to a file."""
     from pathlib import Path
-
-    import torch.distributed as dist
 
     import kernelpolicy.distributed
     from kernelpolicy.testing import DemoModel, kernelize_locally
 
     init_group(rank, world, port)
-    try:
-        missing = case == "kernel missing on rank 1" and rank == 1  # e.g. it failed to load on that node
-        model = kernelize_locally(DemoModel(16).eval(), {} if missing else {"RMSNorm": repo}, inherit=False)
-        modes = {
-            "same": ("prefer,RMSNorm=disable",) * 2,
-            "policies differ": ("require", "disable"),
-            "broadcast": ("require", "disable,RMSNorm=prefer"),
-        }
-        policy = modes.get(case, ("prefer", "prefer"))[rank]
-        with kp.kernel_policy(kp.Policy.parse(policy)):
-            if case == "broadcast":
-                with kernelpolicy.distributed.broadcast_policy(src=1):
-                    outcome = f"ok {kernelpolicy.distributed.check_consistent(model)}"
-            else:
-                try:
-                    outcome = f"ok {kernelpolicy.distributed.check_consistent(model)}"
-                except kernelpolicy.distributed.PolicyMismatchError as error:
-                    outcome = f"mismatch {error}"
-        Path(out_dir, f"rank{rank}.txt").write_text(outcome)
-    finally:
-        dist.destroy_process_group()
+    missing = case == "kernel missing on rank 1" and rank == 1  # e.g. it failed to load on that node
+    model = kernelize_locally(DemoModel(16).eval(), {} if missing else {"RMSNorm": repo}, inherit=False)
+    modes = {
+        "same": ("prefer,RMSNorm=disable",) * 2,
+        "policies differ": ("require", "disable"),
+        "broadcast": ("require", "disable,RMSNorm=prefer"),
+    }
+    policy = modes.get(case, ("prefer", "prefer"))[rank]
+    with kp.kernel_policy(kp.Policy.parse(policy)):
+        if case == "broadcast":
+            with kernelpolicy.distributed.broadcast_policy(src=1):
+                outcome = f"ok {kernelpolicy.distributed.check_consistent(model)}"
+        else:
+            try:
+                outcome = f"ok {kernelpolicy.distributed.check_consistent(model)}"
+            except kernelpolicy.distributed.PolicyMismatchError as error:
+                outcome = f"mismatch {error}"
+    Path(out_dir, f"rank{rank}.txt").write_text(outcome)
+    end_rank()
 
 
 def sequence_parallel_worker(rank: int, world: int, port: int, out_dir: str, repo: str) -> None:
@@ -68,7 +92,6 @@ def sequence_parallel_worker(rank: int, world: int, port: int, out_dir: str, rep
     from pathlib import Path
 
     import torch
-    import torch.distributed as dist
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
@@ -108,10 +131,9 @@ def sequence_parallel_worker(rank: int, world: int, port: int, out_dir: str, rep
         run("prefer, local shards")
         with kp.kernel_policy("require"):
             run("require, local shards")
-        dist.barrier()
     finally:
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
-        dist.destroy_process_group()
+    end_rank()
 
 
 class PolicyReport:
