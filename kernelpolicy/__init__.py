@@ -24,6 +24,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from ._active import current_policy, known_layers
+from ._autoattach import auto_attach
 from ._errors import (
     KernelMismatchError,
     KernelUnavailableError,
@@ -100,6 +101,7 @@ __all__ = [
     "ScopeError",
     "WarmupReport",
     "attach",
+    "auto_attach",
     "current_policy",
     "execution_state",
     "explain",

@@ -9,7 +9,9 @@ This module owns:
 - the state: one :class:`contextvars.ContextVar` for scopes and one
   process-wide default (``set_default_policy`` or ``KERNELPOLICY`` or the
   built-in ``prefer``), in :data:`DEFAULTS`;
-- the known layer names (:func:`register_layer_name`, :func:`known_layers`).
+- the known layer names (:func:`register_layer_name`, :func:`known_layers`);
+- :data:`POLICY_CHECKS`, what features check a policy with before a scope or
+  the process default puts it in effect.
 
 How the hot path reads the policy in effect (it does exactly this)::
 
@@ -33,9 +35,18 @@ from typing import TYPE_CHECKING, Any, final
 from ._policy import BUILTIN, ENV_VAR, MODES, Policy, PolicyMode
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
+    from collections.abc import Callable, Iterable
 
-__all__ = ["DEFAULTS", "Active", "activate", "current_policy", "ensure_env", "known_layers", "register_layer_name"]
+__all__ = [
+    "DEFAULTS",
+    "POLICY_CHECKS",
+    "Active",
+    "activate",
+    "current_policy",
+    "ensure_env",
+    "known_layers",
+    "register_layer_name",
+]
 
 #: What ``active.modes`` holds for a mode while calls are recorded: a value the
 #: forward's fast exits do not know, so every call takes the slow path that records.
@@ -51,6 +62,10 @@ RECORDERS: ContextVar[tuple[Any, ...]] = ContextVar("kernelpolicy.recorders", de
 # autograd will record the recomputation, so a kernel without backward must give way here too (set by
 # kernelpolicy.training, read by _dispatch.autograd_records in eager code only).
 RECOMPUTED_WITH_GRAD: ContextVar[bool] = ContextVar("kernelpolicy.recomputed_with_grad", default=False)
+#: ``check(policy)``, called by a scope's entry and ``set_default_policy`` before ``policy`` takes effect
+#: (so a check that warns or raises leaves the policy in effect as it was). Features append and remove
+#: their checks; an empty list costs a scope entry one truth test.
+POLICY_CHECKS: list[Callable[[Policy], None]] = []
 
 
 @final

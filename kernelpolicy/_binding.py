@@ -51,6 +51,7 @@ import inspect
 import sys
 import types
 import weakref
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, Final, TypeVar, cast
 
 import torch
@@ -76,6 +77,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ATTACH_HOOKS",
+    "KERNELIZING",
     "NO_ORIGINAL",
     "attach",
     "binding_of",
@@ -100,6 +102,8 @@ M = TypeVar("M", bound=nn.Module)
 ATTACH_HOOKS: list[Callable[[nn.Module, Mapping[str, Any]], None]] = []
 #: ``check(class_forward) -> reason or None``: why a module has no original forward (see the module docstring).
 NO_ORIGINAL: list[Callable[[Callable[..., Any]], str | None]] = []
+#: True while :func:`kernelize` runs ``kernels.kernelize``: it attaches the model itself, with its options.
+KERNELIZING: ContextVar[bool] = ContextVar("kernelpolicy.kernelizing", default=False)
 
 
 def binding_of(module: nn.Module) -> Binding | None:
@@ -176,7 +180,11 @@ def kernelize(
     ``"training|torch_compile"``.
     """
     kernels = _compat.kernels()
-    kernels.kernelize(model, mode=_kernels_mode(mode), device=device, use_fallback=use_fallback)
+    token = KERNELIZING.set(True)
+    try:
+        kernels.kernelize(model, mode=_kernels_mode(mode), device=device, use_fallback=use_fallback)
+    finally:
+        KERNELIZING.reset(token)
     return attach(model, attention_fallback=attention_fallback)
 
 

@@ -189,9 +189,22 @@ FUNCTORCH_STACK = Internal(
     "verify compares under torch.func transforms too (under vmap that comparison fails)",
 )
 KERNELS_LAYER_CACHE = Internal(
-    "explain: which kernel repository a bound kernel came from",
+    "explain: which kernel repository a bound kernel came from; the warning about modules kernels bound "
+    "before kernelpolicy looked",
     ("kernels.layer.layer._CACHED_LAYER",),
-    "explain shows the kernel class without its repository",
+    "explain shows the kernel class without its repository; modules bound before go unnoticed",
+)
+KERNELS_BIND = Internal(
+    "auto_attach, and the warning about modules kernels bound outside kernelpolicy: the function every "
+    "kernelize path binds a layer's forward with, as _replace_forward(module, layer)",
+    ("kernels.layer.layer._replace_forward",),
+    "attach(model) by hand (auto_attach raises; no warning about modules left unattached)",
+)
+KERNELIZE_MODEL = Internal(
+    "auto_attach names modules and runs attach's model features: kernels' kernelize, whose argument "
+    "'model' is read off its frame",
+    ("kernels.layer.kernelize.kernelize",),
+    "modules auto_attach makes policy-aware without a name, hub attention or checkpointing",
 )
 
 #: Every private name kernelpolicy reads.
@@ -207,6 +220,8 @@ INTERNALS: tuple[Internal, ...] = (
     DYNAMO_COUNTERS,
     FUNCTORCH_STACK,
     KERNELS_LAYER_CACHE,
+    KERNELS_BIND,
+    KERNELIZE_MODEL,
 )
 
 _MISSING = object()

@@ -13,9 +13,19 @@
   from the original forward's.
 - :class:`PolicyMismatchError` -- ``distributed.check_consistent`` found ranks of a process group
   under different policies or on different paths.
+
+Warnings that point at a mistake go through :func:`warn_at_caller`, so they name the user's line.
 """
 
 from __future__ import annotations
+
+import os
+import sys
+import warnings
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import types
 
 __all__ = [
     "KernelMismatchError",
@@ -24,7 +34,27 @@ __all__ = [
     "PolicyError",
     "PolicyMismatchError",
     "ScopeError",
+    "warn_at_caller",
 ]
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+
+
+def warn_at_caller(message: str, category: type[Warning] = UserWarning, *, also_skip: tuple[str, ...] = ()) -> None:
+    """Warn at the first frame outside kernelpolicy and the ``also_skip`` packages: the user's line.
+
+    As pandas' ``find_stack_level`` does: kernelpolicy's frames by their file (a doctest of kernelpolicy
+    is the user's code), the others by their module's top-level package.
+    """
+
+    def skipped(frame: types.FrameType) -> bool:
+        package = str(frame.f_globals.get("__name__", "")).partition(".")[0]
+        return os.path.dirname(frame.f_code.co_filename) == _PACKAGE or package in also_skip
+
+    level, frame = 1, sys._getframe(0)
+    while frame.f_back is not None and skipped(frame):
+        level, frame = level + 1, frame.f_back
+    warnings.warn(message, category, stacklevel=level)
 
 
 class PolicyError(ValueError):

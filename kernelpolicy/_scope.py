@@ -35,14 +35,11 @@ import contextvars
 import difflib
 import functools
 import inspect
-import os
-import sys
-import warnings
 from contextvars import ContextVar, Token
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar, cast, final, overload
 
-from ._active import _SCOPED, DEFAULTS, RECORDERS, Active, activate, ensure_env, known_layers
-from ._errors import PolicyError, ScopeError
+from ._active import _SCOPED, DEFAULTS, POLICY_CHECKS, RECORDERS, Active, activate, ensure_env, known_layers
+from ._errors import PolicyError, ScopeError, warn_at_caller
 from ._policy import BUILTIN, MODES, VALID_MODES, Policy, PolicyMode, check_layer_name, check_mode, split_options
 
 if TYPE_CHECKING:
@@ -111,8 +108,7 @@ def _validated(
 def _hint_known_layer(name: str, what: str) -> None:
     """Warn when ``name`` is not a known kernel layer name but differs from one by case or a small edit.
 
-    A warning, not an error: a model loaded later may bring that name. It points at the first frame
-    outside kernelpolicy (the user's line), as pandas' ``find_stack_level`` does.
+    A warning, not an error: a model loaded later may bring that name. It points at the user's line.
     """
     known = known_layers()
     if not known or name in known:
@@ -121,18 +117,10 @@ def _hint_known_layer(name: str, what: str) -> None:
     close = [k for k in names if k.lower() == name.lower()] or difflib.get_close_matches(name, names, 1, 0.8)
     if not close:
         return
-    level, frame = 1, sys._getframe(0)
-    while frame.f_back is not None and os.path.dirname(frame.f_code.co_filename) == _PACKAGE:
-        level, frame = level + 1, frame.f_back
-    warnings.warn(
+    warn_at_caller(
         f"{what}: no kernel layer is named {name!r} (names are case-sensitive); did you mean {close[0]!r}? "
-        f"Known kernel layers: {', '.join(names)}",
-        UserWarning,
-        stacklevel=level,
+        f"Known kernel layers: {', '.join(names)}"
     )
-
-
-_PACKAGE = os.path.dirname(os.path.abspath(__file__))
 
 
 @final
@@ -190,6 +178,8 @@ class kernel_policy:  # noqa: N801 - lowercase like numpy.errstate and decimal.l
     def __enter__(self) -> Policy:
         ensure_env()
         active = self.resolve(DEFAULTS.active._current)
+        if POLICY_CHECKS:
+            _check(active.policy)
         token = _SCOPED.set(active)
         recorders = None if self._recorders is None else RECORDERS.set(self._recorders)
         _FRAMES.set(_Frame(self, token, recorders, _FRAMES.get()))
@@ -410,17 +400,21 @@ def set_default_policy(mode: PolicyMode | Policy | None = None, /, **layers: Any
     """
     fixed, default, checked, options = _validated(mode, layers, what="set_default_policy")
     ensure_env()
+    restore = fixed is None and default is None and not checked and not options
+    base = DEFAULTS.env if DEFAULTS.env is not None else BUILTIN
+    new = base if restore else fixed if fixed is not None else base.overlay(default, checked, options)
+    if POLICY_CHECKS:
+        _check(new)
     with DEFAULTS.lock:
         previous = DEFAULTS.active.policy
-        base = DEFAULTS.env if DEFAULTS.env is not None else BUILTIN
-        if fixed is None and default is None and not checked and not options:
-            DEFAULTS.explicit = None
-            DEFAULTS.set(base)
-        else:
-            new = fixed if fixed is not None else base.overlay(default, checked, options)
-            DEFAULTS.explicit = new
-            DEFAULTS.set(new)
+        DEFAULTS.explicit = None if restore else new
+        DEFAULTS.set(new)
     return previous
+
+
+def _check(policy: Policy) -> None:
+    for check in tuple(POLICY_CHECKS):
+        check(policy)
 
 
 def _recording_scope(policy: Policy | None, *, recording: bool | None, recorders: tuple[Any, ...]) -> kernel_policy:

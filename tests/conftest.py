@@ -10,14 +10,15 @@ import pytest
 import torch
 
 import kernelpolicy
-from kernelpolicy import _active, _policy
+from kernelpolicy import _active, _autoattach, _policy
 from kernelpolicy.testing import DemoModel, local_mapping, rms_norm_kernel_source, write_kernel_repo
 
 
 @pytest.fixture(autouse=True)
 def _clean_policy_state(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Each test starts with no KERNELPOLICY, no explicit default and no active scope."""
+    """Each test starts with no KERNELPOLICY, no explicit default, no active scope and no auto_attach."""
     monkeypatch.delenv(_policy.ENV_VAR, raising=False)
+    monkeypatch.setattr(_autoattach, "_AUTO", False)
     _active.DEFAULTS.explicit = None
     _active.reload_env()
     before = _active._SCOPED.get(None)

@@ -33,6 +33,8 @@ transformers = pytest.importorskip("transformers")
 KERNEL = "kernels-community/cpu-attention"
 WRONG = "kernels-community/cpu-attention-scaled"  # the same kernel, its output times 1.5
 EAGER_FALLBACK = "kernels-community/cpu-attention-eager"  # the same kernel, attached with the eager fallback
+AUTO = "kernels-community/cpu-attention-auto"  # the same kernel, for the auto_attach tests
+AUTO_EAGER = "kernels-community/cpu-attention-auto-eager"
 LAYERS = 2
 IDS = torch.randint(0, 256, (2, 7), generator=torch.Generator().manual_seed(3))
 PADDED = torch.ones(2, 7, dtype=torch.long)
@@ -54,8 +56,15 @@ def local_kernels(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     eager = write_kernel_repo(
         root / "eager", flash_attention_kernel_source(), name="cpu-attention-eager", exports=FLASH_ATTENTION_EXPORTS
     )
+    auto = {
+        name: write_kernel_repo(
+            root / name, flash_attention_kernel_source(), name=name.split("/")[1], exports=FLASH_ATTENTION_EXPORTS
+        )
+        for name in (AUTO, AUTO_EAGER)
+    }
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("LOCAL_KERNELS", f"{KERNEL}={exact}:{WRONG}={scaled}:{EAGER_FALLBACK}={eager}")
+        repos = {KERNEL: exact, WRONG: scaled, EAGER_FALLBACK: eager, **auto}
+        patch.setenv("LOCAL_KERNELS", ":".join(f"{name}={path}" for name, path in repos.items()))
         patch.setenv("HF_HUB_OFFLINE", "1")
         yield
 
@@ -263,3 +272,28 @@ def test_the_kernelpolicy_variable_reaches_attention(tmp_path: Any) -> None:
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split()[-1] == "0"
+
+
+def test_auto_attach_governs_the_hub_attention_of_a_use_kernels_model(mapping: Callable[[str], Any]) -> None:
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(_config("llama")).eval()
+    model.set_attn_implementation(AUTO)
+    kp.auto_attach()
+    with mapping("exact"):
+        model.use_kernels = True  # transformers' kernelize: kernels binds the RMSNorm layers, auto_attach attaches
+    row = next(row for row in kp.explain(model) if row.layer_name == "attention")
+    assert row.policy_aware and row.kernel == AUTO
+    expected = logits(build("llama", "sdpa"), None)
+    with kp.kernel_policy(attention="disable"):
+        torch.testing.assert_close(logits(model, None), expected)
+
+
+def test_auto_attach_keeps_the_fallback_kernelpolicy_kernelize_names(mapping: Callable[[str], Any]) -> None:
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(_config("llama")).eval()
+    model.set_attn_implementation(AUTO_EAGER)
+    kp.auto_attach()
+    with mapping("exact"):
+        kp.kernelize(model, mode="inference", device="cpu", attention_fallback="eager")  # not sdpa, the default
+    with pytest.raises(kp.PolicyError, match=r"already falls back to 'eager', not 'sdpa'"):
+        kp.attach(model, attention_fallback="sdpa")
