@@ -82,3 +82,11 @@ def test_a_policy_aware_forward_shows_its_source() -> None:
 
     source = inspect.getsource(Layer().forward)
     assert source.startswith("    def forward(self, x):") and "active.modes.ShowsSource" in source
+
+
+def test_the_api_reference_has_every_public_name() -> None:
+    import kernelpolicy
+
+    text = (ROOT / "docs" / "api.md").read_text()
+    missing = [name for name in kernelpolicy.__all__ if f"::: kernelpolicy.{name}\n" not in text]
+    assert not missing, f"docs/api.md lacks {missing}"

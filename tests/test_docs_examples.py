@@ -1,17 +1,46 @@
-"""The guides' examples run as written: each page's ``python`` blocks, in order, in one namespace (mktestdocs)."""
+"""Every ``python`` block of the README and the docs runs as written: each page's blocks in order, in one namespace.
+
+mktestdocs runs the pages; the pytest plugin's page is a test module, run by pytester. ``text`` blocks show
+output and layouts; ``bash`` and ``toml`` blocks are commands and settings that CI itself runs
+(``.ci/run``) or that the plugin's tests exercise.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
-from mktestdocs import check_md_file
+from mktestdocs import check_md_file, grab_code_blocks
+
+pytest_plugins = ["pytester"]
 
 ROOT = Path(__file__).resolve().parent.parent
-#: Guides whose every ``python`` block is a complete, runnable example.
-RUNNABLE = ["docs/training.md"]
+#: Pages whose ``python`` blocks, in order, are one complete, runnable example.
+RUNNABLE = [
+    "README.md",
+    "docs/index.md",
+    "docs/own-kernel.md",
+    "docs/compile.md",
+    "docs/training.md",
+    "docs/design.md",
+]
+#: Pages whose ``python`` blocks are run another way (below).
+ELSEWHERE = ["docs/pytest.md"]
 
 
 @pytest.mark.parametrize("page", RUNNABLE)
 def test_examples_run(page: str) -> None:
     check_md_file(ROOT / page, memory=True)
+
+
+def test_every_page_with_python_is_run() -> None:
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    with_python = {str(page.relative_to(ROOT)) for page in pages if grab_code_blocks(page.read_text(), lang="python")}
+    assert with_python == set(RUNNABLE) | set(ELSEWHERE)
+
+
+def test_the_pytest_page_is_a_passing_test_module(pytester: pytest.Pytester) -> None:
+    [module] = grab_code_blocks((ROOT / "docs" / "pytest.md").read_text(), lang="python")
+    pytester.makepyfile(test_from_docs=module)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", timeout=120)
+    result.assert_outcomes(passed=3)
