@@ -37,7 +37,13 @@ from ._scope import kernel_policy, kernels_disabled, propagate, set_default_poli
 
 if TYPE_CHECKING:
     from ._accounting import CallCounts, record_calls
-    from ._binding import attach, kernelize, replace_kernel_forward_from_hub, use_kernel_forward_from_hub
+    from ._binding import (
+        attach,
+        kernel_accepts,
+        kernelize,
+        replace_kernel_forward_from_hub,
+        use_kernel_forward_from_hub,
+    )
     from ._explain import Explanation, LayerRow, explain, will_use_kernel
     from ._state import ExecutionState, execution_state
     from ._warmup import WarmupReport, warmup
@@ -50,6 +56,7 @@ __version__ = "0.1.0"
 # time: see benchmarks, section "import").
 _LAZY = {
     "attach": "._binding",
+    "kernel_accepts": "._binding",
     "kernelize": "._binding",
     "replace_kernel_forward_from_hub": "._binding",
     "use_kernel_forward_from_hub": "._binding",
@@ -105,6 +112,7 @@ __all__ = [
     "current_policy",
     "execution_state",
     "explain",
+    "kernel_accepts",
     "kernel_policy",
     "kernelize",
     "kernels_disabled",

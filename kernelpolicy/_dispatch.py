@@ -15,7 +15,8 @@ logs, locks or calls ``ContextVar.get`` directly, so TorchDynamo traces it
 without a graph break and guards on the policy read.
 
 The decision table (``usable``: eager or a traceable kernel, and not a kernel
-without backward on a call autograd records, see :func:`autograd_records`):
+without backward on a call autograd records, see :func:`autograd_records`;
+a rule is what ``kernel_accepts`` declared for the layer, see ``_rules``):
 
 ======= ============= ======== ===================================
 mode    kernel bound  usable   path
@@ -23,10 +24,12 @@ mode    kernel bound  usable   path
 disable any           any      original
 prefer  no            --       original
 prefer  yes           no       original (logged once per reason)
-prefer  yes           yes      kernel
+prefer  yes           yes      kernel (if its rule accepts the call,
+                               else the original, logged once)
 require no            --       KernelUnavailableError
 require yes           no       KernelUnavailableError (see below)
-require yes           yes      kernel
+require yes           yes      kernel (if its rule accepts the call,
+                               else KernelUnavailableError)
 verify  --            --       as prefer; when the kernel runs in eager
                                code, the original runs too and the
                                outputs are compared (see ``_verify``);
@@ -75,6 +78,7 @@ from . import _state
 from ._active import DEFAULTS, RECOMPUTED_WITH_GRAD, RECORDERS, UNRECORDED, register_layer_name
 from ._compat import DYNAMO_DISABLE_MARK
 from ._errors import KernelMismatchError, KernelUnavailableError, OriginalUnavailableError, unavailable_message
+from ._rules import RULES, parameter_names
 from ._verify import tensors_in
 
 if TYPE_CHECKING:
@@ -106,6 +110,7 @@ NO_BACKWARD: Final = (
     "(grad enabled and a tensor argument or parameter requires grad)"
 )
 UNVERIFIED_IN_TRANSFORM: Final = "kernel usable; not verified under a torch.func transform (runs as under prefer)"
+INELIGIBLE: Final = "kernel does not accept this call"
 
 
 def autograd_records(module: nn.Module, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> bool:
@@ -155,8 +160,9 @@ def decide(
     has_backward: bool,
     state: ExecutionState,
     needs_backward: bool,
+    rejected: str | None = None,
 ) -> tuple[Path, str]:
-    """The path one call takes, and why.
+    """The path one call takes, and why (``rejected``: why the kernel's rule refuses the call, or None).
 
     >>> decide("prefer", has_kernel=True, can_torch_compile=False, has_backward=True,
     ...        state="compile", needs_backward=False)
@@ -170,6 +176,8 @@ def decide(
         reason = untraceable(state)
     elif needs_backward and not has_backward:
         reason = NO_BACKWARD
+    elif rejected is not None:
+        reason = f"{INELIGIBLE}: {rejected}"
     else:
         return "kernel", VERIFIED if mode == "verify" and state == "eager" else USABLE
     return ("error" if mode == "require" else "original"), reason
@@ -199,6 +207,7 @@ class Binding:
         "module_name",
         "no_original",
         "original",
+        "parameters",
         "repository",
     )
 
@@ -227,6 +236,8 @@ class Binding:
                 raise self.error(no_original)
 
         self.original = original
+        #: The forward's parameter names after ``self``: a rule's refusal names the argument.
+        self.parameters = parameter_names(original)
         self.kernel = kernel
         self.kernel_class = kernel_class
         self.repository = repository
@@ -250,20 +261,32 @@ class Binding:
     def decide(
         self, mode: PolicyMode, state: ExecutionState, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> tuple[Path, str]:
-        """The path of a call with ``args`` and ``kwargs`` (without them: of a call whose arguments need no grad)."""
-        path, reason = decide(
-            mode,
-            has_kernel=self.kernel is not None,
-            can_torch_compile=self.can_torch_compile,
-            has_backward=self.has_backward,
-            state=state,
-            needs_backward=not self.has_backward and autograd_records(self.module, args, kwargs),
-        )
+        """The path of a call with ``args`` and ``kwargs``.
+
+        Without them: of a call whose arguments need no grad and that the layer's rule accepts.
+        """
+        flags = {
+            "has_kernel": self.kernel is not None,
+            "can_torch_compile": self.can_torch_compile,
+            "has_backward": self.has_backward,
+            "state": state,
+            "needs_backward": not self.has_backward and autograd_records(self.module, args, kwargs),
+        }
+        path, reason = decide(mode, **flags)  # type: ignore[arg-type]
+        if path == "kernel" and (args or kwargs):  # the rule is asked only of a call the kernel would run
+            rejected = self.refused(self.module, args, kwargs or {})
+            if rejected is not None:
+                path, reason = decide(mode, **flags, rejected=rejected)  # type: ignore[arg-type]
         if reason == NO_KERNEL and self.dropped is not None:
             reason = f"{NO_KERNEL}: {self.dropped} was dropped when the module was pickled (kernelize after loading)"
         if path == "original" and self.no_original is not None:
             return "error", self.no_original
         return path, reason
+
+    def refused(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+        """Why the layer's rule refuses this call, or None (no rule, or it accepts)."""
+        rule = RULES.get(self.layer_name)
+        return None if rule is None else rule.reject(module, args, kwargs, self.parameters)
 
     def slow_path(
         self, mode: PolicyMode, args: tuple[Any, ...], kwargs: dict[str, Any], state: ExecutionState | None = None
@@ -475,7 +498,7 @@ def _class_name(module: nn.Module) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-# The three forwards, generated once per (variant, signature) with the original
+# The four forwards, generated once per (variant, signature) with the original
 # forward's own parameters: forwarding ``*args, **kwargs`` costs more than the
 # rest of the dispatch together (measured: ~400 ns per call on CPython 3.11
 # here, against ~90 ns for a fixed-arity call). They are compiled with this
@@ -535,8 +558,25 @@ _BODIES: dict[str, str] = {
             except NotImplementedError as error:
                 return unsupported(error, mode, {pack})
         return slow(mode, {pack})""",
+    "ruled": """
+        active = DEFAULTS.active._current
+        if _is_dynamo():
+            if {kernel_on}:
+                return slow("require" if {required} else "prefer", {pack})
+            return original(self, {call})
+        mode = {lookup}
+        if mode == "disable":
+            return original(self, {call})
+        if (mode == "prefer" or mode == "require") and not ({tracing}) and (
+            has_backward or not (torch.is_grad_enabled() or RECOMPUTED_WITH_GRAD.get()) or not autograd_records(self, {pack})
+        ) and refused(self, {pack}) is None:
+            try:
+                return kernel(self, {call})
+            except NotImplementedError as error:
+                return unsupported(error, mode, {pack})
+        return slow(mode, {pack})""",
 }
-_CELLS = "original, kernel, slow, unsupported, has_backward, traceable"
+_CELLS = "original, kernel, slow, unsupported, has_backward, traceable, refused"
 _FACTORIES: dict[tuple[str, str, str, str, str], Callable[..., Callable[..., Any]]] = {}
 
 
@@ -581,7 +621,7 @@ def forward_source(variant: str, function: Callable[..., Any], layer_name: str) 
     variants for ``forward(self, hidden_states)``):
 
     >>> print(forward_source("without_kernel", lambda self, x: x, "Double"))  # doctest: +NORMALIZE_WHITESPACE
-    def make(original, kernel, slow, unsupported, has_backward, traceable):
+    def make(original, kernel, slow, unsupported, has_backward, traceable, refused):
         def forward(self, x):
             active = DEFAULTS.active._current
             if _is_dynamo():
@@ -629,12 +669,16 @@ def _factory(variant: str, function: Callable[..., Any], layer_name: str) -> Cal
 def make_forward(binding: Binding) -> Callable[..., Any]:
     """Build the ``forward`` a policy-aware module calls.
 
-    Three variants, chosen once per binding so that each call tests only what
+    Four variants, chosen once per binding so that each call tests only what
     can change between calls (the policy, the tracer, the autograd state),
-    each with the original forward's parameters.
+    each with the original forward's parameters. A kernel whose layer has a
+    rule (``kernel_accepts``) takes ``ruled``: ``general`` that also asks the
+    rule (:meth:`Binding.refused`) before the kernel runs.
     """
     if binding.kernel is None:
         variant = "without_kernel"
+    elif binding.layer_name in RULES:
+        variant = "ruled"
     elif binding.can_torch_compile and binding.has_backward:
         variant = "always_usable"
     else:
@@ -646,6 +690,7 @@ def make_forward(binding: Binding) -> Callable[..., Any]:
         binding.unsupported,
         binding.has_backward,
         binding.can_torch_compile,
+        binding.refused,
     )
     forward.__qualname__ = f"kernelpolicy.{variant}.forward"
     # Bound ahead of time, like the MethodType kernels binds: the module is

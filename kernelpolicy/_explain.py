@@ -19,11 +19,15 @@ import dataclasses
 import types
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch.compiler import is_dynamo_compiling as _is_dynamo
 
 from ._active import DEFAULTS, UNRECORDED, current_policy
 from ._binding import BINDING, binding_of, kernel_modules
-from ._dispatch import LOCAL_SHARDS, NO_SHARDING, Binding, has_dtensor
+from ._dispatch import LOCAL_SHARDS, NO_SHARDING, USABLE, Binding, has_dtensor
+from ._errors import KernelUnavailableError
+from ._rules import RULES
+from ._scope import _recording_scope
 from ._state import ExecutionState, execution_state
 from ._text import table
 
@@ -188,11 +192,17 @@ def _flag(row: LayerRow, value: bool) -> str:
     return "yes" if value else "no"
 
 
-def explain(model: nn.Module, *, calls: CallCounts | None = None) -> Explanation:
+def explain(
+    model: nn.Module, *example_args: Any, calls: CallCounts | None = None, **example_kwargs: Any
+) -> Explanation:
     """Describe every kernel-capable module of ``model`` under the policy in effect here.
 
     With ``calls`` (from :func:`~kernelpolicy.record_calls`), each row also
-    shows the calls recorded for that module by path.
+    shows the calls recorded for that module by path. With example inputs,
+    ``model(*example_args, **example_kwargs)`` runs once (without grad) and
+    each row is the path that module's first call took and why: what a
+    kernel's rule (``kernel_accepts``) says of those inputs, for instance. A
+    module these inputs do not reach says so.
 
     >>> import torch, kernelpolicy
     >>> @kernelpolicy.use_kernel_forward_from_hub("Double")
@@ -215,7 +225,10 @@ def explain(model: nn.Module, *, calls: CallCounts | None = None) -> Explanation
     state = execution_state()
     recorded = calls.by_module() if calls is not None else None
     entries = [*_marked(model), *(entry for source in ROW_SOURCES for entry in source(model))]
-    rows = tuple(_row(name, found, policy.mode_for(found.layer_name), state, recorded) for name, found in entries)
+    observed = _observe(model, example_args, example_kwargs, entries) if example_args or example_kwargs else None
+    rows = tuple(
+        _row(name, found, policy.mode_for(found.layer_name), state, recorded, observed) for name, found in entries
+    )
     present = {row.layer_name for row in rows}
     unmatched = tuple(f"{name}={mode}" for name, mode in sorted(policy.layers.items()) if name not in present)
     ungoverned = tuple(name for source in UNGOVERNED_SOURCES for name in source())
@@ -243,12 +256,43 @@ def _marked(model: nn.Module) -> Iterator[tuple[str, Binding | Ungoverned]]:
         )
 
 
+class _FirstCalls:
+    """A recorder (as ``record_calls`` installs them) that keeps each module's first path and reason."""
+
+    def __init__(self) -> None:
+        self.first: dict[str | None, tuple[Path, str]] = {}
+
+    def add(self, module: str | None, layer_name: str, path: Path, reason: str, raised: str = "") -> None:
+        self.first.setdefault(module, (path, reason))
+
+
+NOT_REACHED = "not called by these inputs"
+
+
+def _observe(
+    model: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    entries: list[tuple[str, Binding | Ungoverned]],
+) -> dict[str, tuple[Path, str]]:
+    """Row name -> the path and reason of that module's first call in ``model(*args, **kwargs)``."""
+    recorder = _FirstCalls()
+    try:
+        with torch.no_grad(), _recording_scope(None, recording=True, recorders=(recorder,)):
+            model(*args, **kwargs)
+    except KernelUnavailableError:
+        pass  # recorded as that layer's "error"; the layers after it were not reached
+    names = {found.module_name: name for name, found in entries if isinstance(found, Binding)}
+    return {names.get(module, module or ""): first for module, first in recorder.first.items()}
+
+
 def _row(
     name: str,
     found: Binding | Ungoverned,
     mode: PolicyMode,
     state: ExecutionState,
     recorded: dict[str, dict[str, int]] | None,
+    observed: dict[str, tuple[Path, str]] | None = None,
 ) -> LayerRow:
     if isinstance(found, Ungoverned):
         return LayerRow(
@@ -263,7 +307,13 @@ def _row(
             reason=found.reason,
             policy_aware=False,
         )
-    path, reason = _on_dtensor(found, mode, *found.decide(mode, state))
+    if observed is not None:
+        path, reason = observed.get(name, (found.decide(mode, state)[0], NOT_REACHED))
+    else:
+        path, reason = _on_dtensor(found, mode, *found.decide(mode, state))
+        rule = RULES.get(found.layer_name)
+        if rule is not None and path == "kernel" and reason == USABLE:
+            reason = f"{USABLE} for calls its rule accepts ({rule.describe()})"
     return LayerRow(
         name=name,
         layer_name=found.layer_name,

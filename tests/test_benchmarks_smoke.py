@@ -128,3 +128,19 @@ def test_instruction_counts_are_repeatable_and_complete(tmp_path: Path) -> None:
     # second CI run shared the two cores. The A/A control across layouts moved by 5 to 15 %.
     first, second = (instructions.count(noop, 200, tmp_path) for _ in range(2))
     assert first > 0 and abs(first - second) / first < 0.005, (first, second)
+
+
+def test_the_eligibility_benchmark_times_each_rule() -> None:
+    import kernelpolicy._rules
+    from benchmarks import eligibility
+
+    results = eligibility.main(min_run_time=0.01)
+    assert [m.task_spec.sub_label for m in results[:5]] == [
+        "kernels' own binding",
+        "kernelpolicy, no rule",
+        "kernelpolicy, dtypes",
+        "kernelpolicy, dtypes, devices, check",
+        "kernelpolicy, refused (original runs)",
+    ]
+    assert len(results) == 10 and all(m.median > 0 for m in results)
+    assert "RMSNorm" not in kernelpolicy._rules.RULES  # the benchmark leaves no rule behind

@@ -53,7 +53,7 @@ def test_the_anchor_rule_is_githubs() -> None:
 
 
 def test_design_shows_the_forwards_as_generated() -> None:
-    """docs/design.md prints the three generated forwards; they must be what ``_dispatch`` compiles today."""
+    """docs/design.md prints the four generated forwards; they must be what ``_dispatch`` compiles today."""
     from kernelpolicy import _state
     from kernelpolicy._dispatch import forward_source
 
@@ -61,7 +61,7 @@ def test_design_shows_the_forwards_as_generated() -> None:
 
     text = (ROOT / "docs" / "design.md").read_text()
     printed_flags = "_compiler._is_compiling_flag or _fx._is_fx_tracing_flag"  # torch 2.13's, as printed
-    for variant in ("without_kernel", "always_usable", "general"):
+    for variant in ("without_kernel", "always_usable", "general", "ruled"):
         block = re.search(rf"### `{variant}`[^\n]*\n\n```python\n(.*?)```", text, re.DOTALL)
         assert block is not None, variant
         generated = forward_source(variant, forward, "RMSNorm").replace(_state.TRACING_CHECK, printed_flags)
