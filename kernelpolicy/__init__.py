@@ -42,6 +42,7 @@ if TYPE_CHECKING:
         kernel_accepts,
         kernelize,
         replace_kernel_forward_from_hub,
+        reset_failures,
         use_kernel_forward_from_hub,
     )
     from ._explain import Explanation, LayerRow, explain, will_use_kernel
@@ -59,6 +60,7 @@ _LAZY = {
     "kernel_accepts": "._binding",
     "kernelize": "._binding",
     "replace_kernel_forward_from_hub": "._binding",
+    "reset_failures": "._binding",
     "use_kernel_forward_from_hub": "._binding",
     "ExecutionState": "._state",
     "execution_state": "._state",
@@ -120,6 +122,7 @@ __all__ = [
     "propagate",
     "record_calls",
     "replace_kernel_forward_from_hub",
+    "reset_failures",
     "set_default_policy",
     "use_kernel_forward_from_hub",
     "warmup",

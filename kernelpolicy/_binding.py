@@ -88,6 +88,7 @@ __all__ = [
     "kernel_modules",
     "kernelize",
     "replace_kernel_forward_from_hub",
+    "reset_failures",
     "use_kernel_forward_from_hub",
 ]
 
@@ -312,6 +313,18 @@ def kernel_accepts(
         binding = binding_of(module)
         if binding is not None:
             module.__dict__["forward"] = make_forward(binding)
+
+
+def reset_failures(model: nn.Module) -> None:
+    """Forget the kernel failures counted under the ``fallback_on`` option in ``model``; stopped kernels run again.
+
+    With ``kernel_policy("prefer", fallback_on=RuntimeError, max_failures=3)``, a module whose kernel
+    raised a ``RuntimeError`` three times stops trying it (``explain`` says so); this turns it back on.
+    """
+    for _, module in kernel_modules(model):
+        binding = binding_of(module)
+        if binding is not None:
+            binding.reset_failures()
 
 
 def _dtypes(dtypes: Iterable[torch.dtype] | None) -> frozenset[torch.dtype] | None:

@@ -111,6 +111,7 @@ NO_BACKWARD: Final = (
 )
 UNVERIFIED_IN_TRANSFORM: Final = "kernel usable; not verified under a torch.func transform (runs as under prefer)"
 INELIGIBLE: Final = "kernel does not accept this call"
+FAILED: Final = "kernel raised; the original forward ran (the policy's fallback_on)"
 
 
 def autograd_records(module: nn.Module, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> bool:
@@ -160,9 +161,9 @@ def decide(
     has_backward: bool,
     state: ExecutionState,
     needs_backward: bool,
-    rejected: str | None = None,
+    refused: str | None = None,
 ) -> tuple[Path, str]:
-    """The path one call takes, and why (``rejected``: why the kernel's rule refuses the call, or None).
+    """The path one call takes, and why (``refused``: why the kernel may not run this call, or None).
 
     >>> decide("prefer", has_kernel=True, can_torch_compile=False, has_backward=True,
     ...        state="compile", needs_backward=False)
@@ -176,8 +177,8 @@ def decide(
         reason = untraceable(state)
     elif needs_backward and not has_backward:
         reason = NO_BACKWARD
-    elif rejected is not None:
-        reason = f"{INELIGIBLE}: {rejected}"
+    elif refused is not None:
+        reason = refused
     else:
         return "kernel", VERIFIED if mode == "verify" and state == "eager" else USABLE
     return ("error" if mode == "require" else "original"), reason
@@ -198,9 +199,11 @@ class Binding:
         "can_torch_compile",
         "dropped",
         "dtensor_failure",
+        "failures",
         "has_backward",
         "kernel",
         "kernel_class",
+        "last_failure",
         "layer_name",
         "module",
         "module_class",
@@ -209,6 +212,7 @@ class Binding:
         "original",
         "parameters",
         "repository",
+        "stopped",
     )
 
     def __init__(
@@ -247,6 +251,10 @@ class Binding:
         self.dtensor_failure: str | None = None
         #: The kernel this module had before it was pickled (pickling drops kernels), for ``explain``.
         self.dropped: str | None = None
+        #: Failures of the kernel that ``fallback_on`` caught, the last one, and why it is off (``max_failures``).
+        self.failures = 0
+        self.last_failure: str | None = None
+        self.stopped: str | None = None
 
     def kernel_name(self) -> str | None:
         """The bound kernel as ``explain`` shows it: its repository and layer when known, else its class; None without."""
@@ -273,10 +281,10 @@ class Binding:
             "needs_backward": not self.has_backward and autograd_records(self.module, args, kwargs),
         }
         path, reason = decide(mode, **flags)  # type: ignore[arg-type]
-        if path == "kernel" and (args or kwargs):  # the rule is asked only of a call the kernel would run
-            rejected = self.refused(self.module, args, kwargs or {})
-            if rejected is not None:
-                path, reason = decide(mode, **flags, rejected=rejected)  # type: ignore[arg-type]
+        if path == "kernel" and (self.stopped is not None or args or kwargs):  # asked only if the kernel would run
+            refused = self.refused(self.module, args, kwargs or {})
+            if refused is not None:
+                path, reason = decide(mode, **flags, refused=refused)  # type: ignore[arg-type]
         if reason == NO_KERNEL and self.dropped is not None:
             reason = f"{NO_KERNEL}: {self.dropped} was dropped when the module was pickled (kernelize after loading)"
         if path == "original" and self.no_original is not None:
@@ -284,9 +292,50 @@ class Binding:
         return path, reason
 
     def refused(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
-        """Why the layer's rule refuses this call, or None (no rule, or it accepts)."""
+        """Why the kernel may not run this call: stopped after failures, or refused by the layer's rule; else None."""
+        if self.stopped is not None:
+            return self.stopped
         rule = RULES.get(self.layer_name)
-        return None if rule is None else rule.reject(module, args, kwargs, self.parameters)
+        if rule is None:
+            return None
+        why = rule.reject(module, args, kwargs, self.parameters)
+        return None if why is None else f"{INELIGIBLE}: {why}"
+
+    def failed(
+        self, error: Exception, args: tuple[Any, ...], kwargs: dict[str, Any], recorders: tuple[Any, ...] = ()
+    ) -> Any:
+        """The kernel raised ``error`` under ``prefer``: the original forward if the policy's ``fallback_on`` names it.
+
+        Counts the failure; at the policy's ``max_failures`` the module stops trying its kernel (its forward
+        is rebuilt to ask :meth:`refused` first) until :func:`kernelpolicy.reset_failures`. An error the
+        policy does not name propagates, recorded as the kernel's.
+        """
+        from ._policy import exception_types
+
+        policy = DEFAULTS.active._current.policy
+        if not isinstance(error, exception_types(policy.fallback_on)):
+            self._record(recorders, "kernel", USABLE, error)
+            raise error
+        self.failures += 1
+        self.last_failure = f"{type(error).__name__}: {error}"
+        limit = policy.max_failures
+        if limit is not None and self.failures >= limit and self.stopped is None:
+            self.stopped = (
+                f"kernel stopped after {self.failures} failures (last: {self.last_failure}); "
+                "kernelpolicy.reset_failures(model) tries it again"
+            )
+            self.module.__dict__["forward"] = make_forward(self)
+            self._log_once("stopped", logging.WARNING, f"is off: {self.stopped}")
+        else:
+            self._log_once("failed", logging.WARNING, f"raised {self.last_failure}; the original forward ran instead")
+        return self._run(recorders, "original", f"{FAILED} ({self.last_failure})", self.original, args, kwargs)
+
+    def reset_failures(self) -> None:
+        """Forget the kernel's failures; a stopped kernel is tried again."""
+        stopped = self.stopped is not None
+        self.failures, self.last_failure, self.stopped = 0, None, None
+        if stopped:
+            self.module.__dict__["forward"] = make_forward(self)
 
     def slow_path(
         self, mode: PolicyMode, args: tuple[Any, ...], kwargs: dict[str, Any], state: ExecutionState | None = None
@@ -308,6 +357,11 @@ class Binding:
                 out = self.verify(args, kwargs) if reason == VERIFIED else self.kernel(self.module, *args, **kwargs)
             except NotImplementedError as error:
                 return self.unsupported(error, mode, args, kwargs, recorders, reason)
+            except Exception as error:
+                if mode == "prefer" and DEFAULTS.active._current.policy.fallback_on:
+                    return self.failed(error, args, kwargs, recorders)
+                self._record(recorders, path, reason, error)
+                raise
             except BaseException as error:
                 self._record(recorders, path, reason, error)
                 raise
@@ -354,6 +408,8 @@ class Binding:
         count the path taken (``reason``: why the kernel was called, for a call whose error propagates).
         """
         if not _no_sharding_strategy(error, (args, kwargs, self.module)):
+            if mode == "prefer" and DEFAULTS.active._current.policy.fallback_on:
+                return self.failed(error, args, kwargs, recorders)
             self._record(recorders, "kernel", reason, error)
             raise error
         self.dtensor_failure = str(error)
@@ -536,6 +592,10 @@ _BODIES: dict[str, str] = {
                 return kernel(self, {call})
             except NotImplementedError as error:
                 return unsupported(error, mode, {pack})
+            except Exception as error:
+                if mode != "prefer" or not active.policy.fallback_on:
+                    raise
+                return failed(error, {pack})
         if mode == "disable":
             return original(self, {call})
         return slow(mode, {pack})""",
@@ -557,6 +617,10 @@ _BODIES: dict[str, str] = {
                 return kernel(self, {call})
             except NotImplementedError as error:
                 return unsupported(error, mode, {pack})
+            except Exception as error:
+                if mode != "prefer" or not active.policy.fallback_on:
+                    raise
+                return failed(error, {pack})
         return slow(mode, {pack})""",
     "ruled": """
         active = DEFAULTS.active._current
@@ -574,9 +638,13 @@ _BODIES: dict[str, str] = {
                 return kernel(self, {call})
             except NotImplementedError as error:
                 return unsupported(error, mode, {pack})
+            except Exception as error:
+                if mode != "prefer" or not active.policy.fallback_on:
+                    raise
+                return failed(error, {pack})
         return slow(mode, {pack})""",
 }
-_CELLS = "original, kernel, slow, unsupported, has_backward, traceable, refused"
+_CELLS = "original, kernel, slow, unsupported, failed, has_backward, traceable, refused"
 _FACTORIES: dict[tuple[str, str, str, str, str], Callable[..., Callable[..., Any]]] = {}
 
 
@@ -621,7 +689,7 @@ def forward_source(variant: str, function: Callable[..., Any], layer_name: str) 
     variants for ``forward(self, hidden_states)``):
 
     >>> print(forward_source("without_kernel", lambda self, x: x, "Double"))  # doctest: +NORMALIZE_WHITESPACE
-    def make(original, kernel, slow, unsupported, has_backward, traceable, refused):
+    def make(original, kernel, slow, unsupported, failed, has_backward, traceable, refused):
         def forward(self, x):
             active = DEFAULTS.active._current
             if _is_dynamo():
@@ -677,7 +745,7 @@ def make_forward(binding: Binding) -> Callable[..., Any]:
     """
     if binding.kernel is None:
         variant = "without_kernel"
-    elif binding.layer_name in RULES:
+    elif binding.layer_name in RULES or binding.stopped is not None:
         variant = "ruled"
     elif binding.can_torch_compile and binding.has_backward:
         variant = "always_usable"
@@ -688,6 +756,7 @@ def make_forward(binding: Binding) -> Callable[..., Any]:
         binding.kernel,
         binding.slow_path,
         binding.unsupported,
+        binding.failed,
         binding.has_backward,
         binding.can_torch_compile,
         binding.refused,

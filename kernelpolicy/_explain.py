@@ -314,6 +314,8 @@ def _row(
         rule = RULES.get(found.layer_name)
         if rule is not None and path == "kernel" and reason == USABLE:
             reason = f"{USABLE} for calls its rule accepts ({rule.describe()})"
+        if found.failures and found.stopped is None:
+            reason = f"{reason}; {found.failures} failure(s) so far under fallback_on (last: {found.last_failure})"
     return LayerRow(
         name=name,
         layer_name=found.layer_name,

@@ -4,7 +4,8 @@ This module owns:
 
 - the modes (``prefer``, ``disable``, ``require``, ``verify``) and their validation;
 - :class:`Policy`, a plain immutable value: a default mode, per-layer modes
-  keyed by kernel layer name and the options of ``verify``; equal, hashable
+  keyed by kernel layer name and the options (:data:`OPTIONS`: those of
+  ``verify``, and what ``prefer`` does when a kernel raises); equal, hashable
   and pickled by content;
 - the text syntax shared by the ``KERNELPOLICY`` variable and
   :meth:`Policy.parse` (``"prefer,RMSNorm=disable,SiLU=require"``).
@@ -15,6 +16,9 @@ that says which policy is in effect, are in ``_active``.
 
 from __future__ import annotations
 
+import builtins
+import functools
+import importlib
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple, final
 
@@ -23,7 +27,7 @@ from ._errors import PolicyError
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
-__all__ = ["ENV_VAR", "MODES", "VALID_MODES", "Policy", "PolicyMode"]
+__all__ = ["ENV_VAR", "MODES", "OPTIONS", "VALID_MODES", "Policy", "PolicyMode", "exception_types"]
 
 PolicyMode = Literal["prefer", "disable", "require", "verify"]
 """What a policy says for a layer. Not ``kernels.Mode``, the flags that
@@ -31,8 +35,10 @@ PolicyMode = Literal["prefer", "disable", "require", "verify"]
 MODES: tuple[PolicyMode, ...] = ("prefer", "disable", "require", "verify")
 """The policy modes, in the order error messages list them."""
 OnMismatch = Literal["raise", "warn"]
-#: Keyword arguments of a policy that are options of ``verify``, not layer names.
-VERIFY_OPTIONS = ("atol", "rtol", "on_mismatch")
+#: Keyword arguments of a policy that are options, not layer names: ``verify``'s tolerances and what a
+#: mismatch does; the exception types on which ``prefer`` runs the original when a kernel raises, and after
+#: how many such failures a module stops trying its kernel.
+OPTIONS = ("atol", "rtol", "on_mismatch", "fallback_on", "max_failures")
 #: The environment variable that sets the process default (read in ``_active``).
 ENV_VAR = "KERNELPOLICY"
 
@@ -40,15 +46,23 @@ ENV_VAR = "KERNELPOLICY"
 VALID_MODES = ", ".join(repr(m) for m in MODES)
 
 
-class VerifyOptions(NamedTuple):
-    """The options of ``verify``: tolerances (None: by dtype) and what a mismatch does."""
+class PolicyOptions(NamedTuple):
+    """The options of a policy.
+
+    ``verify``'s tolerances (None: by dtype) and what a mismatch does; ``fallback_on``, the exception
+    types (names) on which ``prefer`` runs the original forward when a kernel raises (empty: the error
+    propagates), and ``max_failures``, after how many of those a module stops trying its kernel (None:
+    never stops).
+    """
 
     atol: float | None = None
     rtol: float | None = None
     on_mismatch: OnMismatch = "raise"
+    fallback_on: tuple[str, ...] = ()
+    max_failures: int | None = None
 
 
-NO_OPTIONS = VerifyOptions()
+NO_OPTIONS = PolicyOptions()
 
 
 class _Key(NamedTuple):
@@ -56,7 +70,7 @@ class _Key(NamedTuple):
 
     default: PolicyMode
     layers: tuple[tuple[str, PolicyMode], ...]  # sorted by name; entries equal to the default dropped
-    options: VerifyOptions
+    options: PolicyOptions
 
 
 #: How much of a text an error message quotes (a policy from an HTTP header can be any size).
@@ -90,8 +104,8 @@ def check_layer_name(name: object) -> str:
         raise PolicyError(f"a kernel layer name must be a string, got {_shown(name)} ({type(name).__name__})")
     if not name:
         raise PolicyError("a kernel layer name must not be empty")
-    if name in VERIFY_OPTIONS:
-        raise PolicyError(f"{_shown(name)} is an option of 'verify', not a kernel layer name")
+    if name in OPTIONS:
+        raise PolicyError(f"{_shown(name)} is a policy option, not a kernel layer name")
     if name.startswith("__"):
         raise PolicyError(f"kernel layer name {_shown(name)} starts with '__', which is reserved")
     # What the text syntax cannot carry: separators, any whitespace (str.strip drops Unicode spaces
@@ -105,8 +119,8 @@ def check_layer_name(name: object) -> str:
     return name
 
 
-def check_verify_options(options: Mapping[str, object]) -> dict[str, object]:
-    """Validate ``atol``/``rtol``/``on_mismatch`` given to a policy or scope."""
+def check_options(options: Mapping[str, object]) -> dict[str, object]:
+    """Validate the options (:data:`OPTIONS`) given to a policy or scope."""
     checked: dict[str, object] = {}
     for name in ("atol", "rtol"):
         if name in options:
@@ -124,14 +138,75 @@ def check_verify_options(options: Mapping[str, object]) -> dict[str, object]:
         if value not in ("raise", "warn"):
             raise PolicyError(f"on_mismatch must be 'raise' or 'warn', got {_shown(value)}")
         checked["on_mismatch"] = value
+    if "fallback_on" in options:
+        checked["fallback_on"] = _check_fallback_on(options["fallback_on"])
+    if "max_failures" in options:
+        value = options["max_failures"]
+        if isinstance(value, str) and value.strip().isdigit():
+            value = int(value)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise PolicyError(f"max_failures must be a whole number >= 1 (or None: never stop), got {_shown(value)}")
+        checked["max_failures"] = value
     return checked
 
 
+_FALLBACK_FORM = (
+    "give exception classes or their names, e.g. fallback_on=RuntimeError, (RuntimeError, torch.OutOfMemoryError) "
+    "or 'RuntimeError|torch.OutOfMemoryError'"
+)
+
+
+def _check_fallback_on(value: object) -> tuple[str, ...]:
+    """``fallback_on`` as sorted exception names (builtins bare, others by module and qualified name)."""
+    if isinstance(value, str):
+        items: list[object] = list(value.split("|")) if value.strip() else []
+    elif isinstance(value, type):
+        items = [value]
+    elif isinstance(value, (tuple, list)):
+        items = list(value)
+    else:
+        raise PolicyError(f"fallback_on: {_FALLBACK_FORM}; got {_shown(value)}")
+    names = set()
+    for item in items:
+        if isinstance(item, type):
+            if not issubclass(item, Exception):
+                raise PolicyError(f"fallback_on: {item.__name__} is not an Exception subclass; {_FALLBACK_FORM}")
+            name = item.__name__ if item.__module__ == "builtins" else f"{item.__module__}.{item.__qualname__}"
+        elif isinstance(item, str) and all(part.isidentifier() for part in item.strip().split(".")):
+            name = item.strip()
+            if "." not in name and not _is_exception(getattr(builtins, name, None)):
+                raise PolicyError(f"fallback_on: {_shown(name)} is not a built-in exception; {_FALLBACK_FORM}")
+        else:
+            raise PolicyError(f"fallback_on: {_shown(item)} is not an exception class or name; {_FALLBACK_FORM}")
+        names.add(name)
+    return tuple(sorted(names))
+
+
+def _is_exception(value: object) -> bool:
+    return isinstance(value, type) and issubclass(value, Exception)
+
+
+@functools.cache
+def exception_types(names: tuple[str, ...]) -> tuple[type[Exception], ...]:
+    """The classes ``fallback_on`` names (imported on first use; a name that does not resolve raises)."""
+    found: list[type[Exception]] = []
+    for name in names:
+        module, _, attribute = name.rpartition(".")
+        try:
+            value = getattr(importlib.import_module(module) if module else builtins, attribute)
+        except (ImportError, AttributeError) as error:
+            raise PolicyError(f"fallback_on: cannot find the exception {name!r} ({error})") from None
+        if not _is_exception(value):
+            raise PolicyError(f"fallback_on: {name!r} is not an Exception subclass")
+        found.append(value)
+    return tuple(found)
+
+
 def split_options(layers: Mapping[str, object]) -> tuple[dict[str, object], dict[str, object]]:
-    """(layer modes, verify options) from the keyword arguments of a policy or scope."""
-    modes = {name: value for name, value in layers.items() if name not in VERIFY_OPTIONS}
-    options = {name: value for name, value in layers.items() if name in VERIFY_OPTIONS}
-    return modes, check_verify_options(options)
+    """(layer modes, options) from the keyword arguments of a policy or scope."""
+    modes = {name: value for name, value in layers.items() if name not in OPTIONS}
+    options = {name: value for name, value in layers.items() if name in OPTIONS}
+    return modes, check_options(options)
 
 
 @final
@@ -182,8 +257,8 @@ class Policy:
         return MappingProxyType(self._modes)
 
     @property
-    def options(self) -> VerifyOptions:
-        """The options of ``verify``."""
+    def options(self) -> PolicyOptions:
+        """The options: ``verify``'s, and what ``prefer`` does when a kernel raises."""
         return self._key.options
 
     @property
@@ -200,6 +275,16 @@ class Policy:
     def on_mismatch(self) -> OnMismatch:
         """What ``verify`` does on a mismatch: ``"raise"`` or ``"warn"``."""
         return self._key.options.on_mismatch
+
+    @property
+    def fallback_on(self) -> tuple[str, ...]:
+        """The exception types (names) on which ``prefer`` runs the original when a kernel raises."""
+        return self._key.options.fallback_on
+
+    @property
+    def max_failures(self) -> int | None:
+        """After how many ``fallback_on`` failures a module stops trying its kernel (None: never)."""
+        return self._key.options.max_failures
 
     def mode_for(self, layer_name: str) -> PolicyMode:
         """The mode for layers marked with kernel layer name ``layer_name``."""
@@ -229,7 +314,8 @@ class Policy:
         """Parse ``"mode"`` or ``"mode,Layer=mode,..."`` (the default mode may be omitted).
 
         ``atol=``, ``rtol=`` and ``on_mismatch=`` entries set the options of
-        ``verify``. ``source`` names where the text came from in error
+        ``verify``; ``fallback_on=RuntimeError|torch.OutOfMemoryError`` and
+        ``max_failures=3`` what ``prefer`` does when a kernel raises. ``source`` names where the text came from in error
         messages, e.g. ``"KERNELPOLICY"`` or ``"header X-Kernel-Policy"``.
 
         >>> Policy.parse("disable,RMSNorm=require")
@@ -262,8 +348,8 @@ class Policy:
                 name, _, mode = (part.strip() for part in token.partition("="))
                 if name in layers or name in options:
                     raise PolicyError(f"{'option' if name in options else 'layer'} {_shown(name)} named twice")
-                if name in VERIFY_OPTIONS:
-                    options.update(check_verify_options({name: mode}))
+                if name in OPTIONS:
+                    options.update(check_options({name: mode}))
                     continue
                 check_layer_name(name)
                 layers[name] = check_mode(mode, f"layer {_shown(name)}")
@@ -272,7 +358,7 @@ class Policy:
         return _make(default if default is not None else "prefer", layers, _options(NO_OPTIONS, options))
 
     def _option_items(self) -> list[tuple[str, object]]:
-        return [(n, v) for n, v, d in zip(VerifyOptions._fields, self._key.options, NO_OPTIONS, strict=True) if v != d]
+        return [(n, v) for n, v, d in zip(PolicyOptions._fields, self._key.options, NO_OPTIONS, strict=True) if v != d]
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, Policy):
@@ -284,7 +370,10 @@ class Policy:
 
     def __str__(self) -> str:
         entries = [self._key.default, *(f"{name}={mode}" for name, mode in self._key.layers)]
-        return ",".join(entries + [f"{name}={value}" for name, value in self._option_items()])
+        options = [
+            f"{name}={'|'.join(value) if isinstance(value, tuple) else value}" for name, value in self._option_items()
+        ]
+        return ",".join(entries + options)
 
     def __repr__(self) -> str:
         args = [repr(self._key.default), *(f"{name}={mode!r}" for name, mode in self._key.layers)]
@@ -308,11 +397,11 @@ class Policy:
         return self
 
 
-def _options(base: VerifyOptions, options: Mapping[str, object]) -> VerifyOptions:
-    return base._replace(**options) if options else base  # type: ignore[arg-type]  # checked by check_verify_options
+def _options(base: PolicyOptions, options: Mapping[str, object]) -> PolicyOptions:
+    return base._replace(**options) if options else base  # type: ignore[arg-type]  # checked by check_options
 
 
-def _make(default: PolicyMode, layers: Mapping[str, object], options: VerifyOptions = NO_OPTIONS) -> Policy:
+def _make(default: PolicyMode, layers: Mapping[str, object], options: PolicyOptions = NO_OPTIONS) -> Policy:
     modes: dict[str, PolicyMode] = {}
     for name, mode in sorted(layers.items()):
         checked = check_mode(mode, f"layer {_shown(check_layer_name(name))}")
@@ -328,10 +417,10 @@ def _make(default: PolicyMode, layers: Mapping[str, object], options: VerifyOpti
 
 def _restore(default: object, layers: object, options: object) -> Policy:
     """A pickled policy, checked again (a pickle is data from outside)."""
-    if not isinstance(layers, tuple) or not isinstance(options, tuple) or len(options) != len(VerifyOptions._fields):
+    if not isinstance(layers, tuple) or not isinstance(options, tuple) or len(options) != len(PolicyOptions._fields):
         raise PolicyError(f"not a pickled Policy: {(default, layers, options)!r}")
-    given = {name: value for name, value in zip(VerifyOptions._fields, options, strict=True) if value is not None}
-    checked = check_verify_options(given)
+    given = {name: value for name, value in zip(PolicyOptions._fields, options, strict=True) if value is not None}
+    checked = check_options(given)
     return _make(check_mode(default, "the default"), dict(layers), _options(NO_OPTIONS, checked))
 
 

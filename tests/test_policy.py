@@ -163,9 +163,11 @@ def test_a_tampered_pickle_is_checked() -> None:
     from kernelpolicy._policy import _restore
 
     with pytest.raises(kp.PolicyError, match="unknown kernel policy mode 'fast'"):
-        _restore("prefer", (("RMSNorm", "fast"),), (None, None, "raise"))
+        _restore("prefer", (("RMSNorm", "fast"),), (None, None, "raise", (), None))
     with pytest.raises(kp.PolicyError, match="on_mismatch must be 'raise' or 'warn', got 'ignore'"):
-        _restore("prefer", (), (None, None, "ignore"))
+        _restore("prefer", (), (None, None, "ignore", (), None))
+    with pytest.raises(kp.PolicyError, match="fallback_on: 'KeyboardInterrupt' is not a built-in exception"):
+        _restore("prefer", (), (None, None, "raise", ("KeyboardInterrupt",), None))
 
 
 def test_copy_and_deepcopy_return_the_same_object() -> None:

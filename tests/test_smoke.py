@@ -25,7 +25,7 @@ def test_the_top_level_is_what_a_user_needs() -> None:
     assert typing.get_args(kernelpolicy.PolicyMode) == ("prefer", "disable", "require", "verify")
     moved = {"MODES", "ENV_VAR", "PolicyMismatchError", "child_env", "worker_init_fn"}
     assert not moved & set(kernelpolicy.__all__)
-    assert len(kernelpolicy.__all__) == 29  # auto_attach (models kernelized outside), kernel_accepts (eligibility)
+    assert len(kernelpolicy.__all__) == 30  # + auto_attach, kernel_accepts, reset_failures
     assert kernelpolicy.distributed.PolicyMismatchError.__module__ == "kernelpolicy.distributed"
     assert callable(kernelpolicy.processes.worker_init_fn) and callable(kernelpolicy.processes.child_env)
 
