@@ -41,6 +41,13 @@ A call that raises (the kernel's error, the original's, a mismatch of
 ``verify``) is recorded by ``record_calls`` with the path it took and the
 exception's class.
 
+Under ``prefer``, a policy with the ``fallback_on`` option turns a kernel's
+error of those types into a call of the original forward (counted per module,
+recorded, logged once; :meth:`Binding.failed`); with ``max_failures`` the
+module stops trying its kernel after that many (its forward becomes ``ruled``,
+which asks :meth:`Binding.refused` first) until ``reset_failures``. Eager code
+only: a traced program has no exceptions to catch.
+
 One failure is known only when the kernel is called: a custom-op kernel given
 DTensor inputs or parameters (tensor or sequence parallelism) for which its op
 has no sharding strategy. DTensor raises that ``NotImplementedError`` before

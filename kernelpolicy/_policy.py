@@ -49,14 +49,14 @@ VALID_MODES = ", ".join(repr(m) for m in MODES)
 class PolicyOptions(NamedTuple):
     """The options of a policy.
 
-    ``verify``'s tolerances (None: by dtype) and what a mismatch does; ``fallback_on``, the exception
+    ``verify``'s tolerances (None: by dtype; see :data:`Tolerance`) and what a mismatch does; ``fallback_on``, the exception
     types (names) on which ``prefer`` runs the original forward when a kernel raises (empty: the error
     propagates), and ``max_failures``, after how many of those a module stops trying its kernel (None:
     never stops).
     """
 
-    atol: float | None = None
-    rtol: float | None = None
+    atol: Tolerance = None
+    rtol: Tolerance = None
     on_mismatch: OnMismatch = "raise"
     fallback_on: tuple[str, ...] = ()
     max_failures: int | None = None
@@ -124,15 +124,7 @@ def check_options(options: Mapping[str, object]) -> dict[str, object]:
     checked: dict[str, object] = {}
     for name in ("atol", "rtol"):
         if name in options:
-            value = options[name]
-            if isinstance(value, str):
-                try:
-                    value = float(value)
-                except ValueError:
-                    raise PolicyError(f"{name} must be a number >= 0, got {_shown(options[name])}") from None
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-                raise PolicyError(f"{name} must be a number >= 0, got {_shown(options[name])}")
-            checked[name] = float(value)
+            checked[name] = _check_tolerance(name, options[name])
     if "on_mismatch" in options:
         value = options["on_mismatch"]
         if value not in ("raise", "warn"):
@@ -148,6 +140,51 @@ def check_options(options: Mapping[str, object]) -> dict[str, object]:
             raise PolicyError(f"max_failures must be a whole number >= 1 (or None: never stop), got {_shown(value)}")
         checked["max_failures"] = value
     return checked
+
+
+#: The dtypes a tolerance may name: torch's names without ``torch.`` (``_verify.DEFAULT_TOLERANCES`` has their defaults).
+TOLERANCE_DTYPES = ("float16", "bfloat16", "float32", "float64", "complex64", "complex128")
+#: A tolerance: one number for every dtype, or ``(dtype name, number)`` pairs sorted by name, where the name
+#: ``*`` is every dtype not named; None: the defaults by dtype.
+Tolerance = float | tuple[tuple[str, float], ...] | None
+
+
+def _check_tolerance(name: str, value: object) -> float | tuple[tuple[str, float], ...]:
+    """``atol``/``rtol``: a number >= 0 for every dtype, or per dtype (a mapping, or text ``1e-4|bfloat16:2e-2``)."""
+    form = (
+        f"{name} must be a number >= 0, or numbers per dtype: {name}={{'bfloat16': 2e-2, '*': 1e-4}} "
+        f"(text: {name}=1e-4|bfloat16:2e-2); dtypes: {', '.join(TOLERANCE_DTYPES)}"
+    )
+    if isinstance(value, str) and ("|" in value or ":" in value):
+        pairs: list[tuple[object, object]] = []
+        for part in value.split("|"):
+            named, _, text = part.rpartition(":")
+            pairs.append((named.strip() or "*", text.strip()))
+    elif isinstance(value, dict):
+        pairs = list(value.items())
+    elif isinstance(value, tuple) and all(isinstance(pair, tuple) and len(pair) == 2 for pair in value):
+        pairs = list(value)  # the canonical form (a pickled policy)
+    else:
+        pairs = [("*", value)]
+    per_dtype: dict[str, float] = {}
+    for dtype, given in pairs:
+        key = str(dtype).removeprefix("torch.")
+        if key != "*" and key not in TOLERANCE_DTYPES:
+            raise PolicyError(f"{form}; got the dtype {_shown(dtype)}")
+        if key in per_dtype:
+            raise PolicyError(f"{name} names {key!r} twice")
+        number = given
+        if isinstance(given, str):
+            try:
+                number = float(given)
+            except ValueError:
+                raise PolicyError(f"{form}; got {_shown(value)}") from None
+        if isinstance(number, bool) or not isinstance(number, (int, float)) or not number >= 0:
+            raise PolicyError(f"{form}; got {_shown(value)}")
+        per_dtype[key] = float(number)
+    if list(per_dtype) == ["*"]:
+        return per_dtype["*"]
+    return tuple(sorted(per_dtype.items()))
 
 
 _FALLBACK_FORM = (
@@ -262,12 +299,12 @@ class Policy:
         return self._key.options
 
     @property
-    def atol(self) -> float | None:
+    def atol(self) -> Tolerance:
         """``verify``'s absolute tolerance (None: by dtype)."""
         return self._key.options.atol
 
     @property
-    def rtol(self) -> float | None:
+    def rtol(self) -> Tolerance:
         """``verify``'s relative tolerance (None: by dtype)."""
         return self._key.options.rtol
 
@@ -370,14 +407,11 @@ class Policy:
 
     def __str__(self) -> str:
         entries = [self._key.default, *(f"{name}={mode}" for name, mode in self._key.layers)]
-        options = [
-            f"{name}={'|'.join(value) if isinstance(value, tuple) else value}" for name, value in self._option_items()
-        ]
-        return ",".join(entries + options)
+        return ",".join(entries + [f"{name}={_option_text(value)}" for name, value in self._option_items()])
 
     def __repr__(self) -> str:
         args = [repr(self._key.default), *(f"{name}={mode!r}" for name, mode in self._key.layers)]
-        args += [f"{name}={value!r}" for name, value in self._option_items()]
+        args += [f"{name}={_option_repr(value)}" for name, value in self._option_items()]
         return f"Policy({', '.join(args)})"
 
     def __setattr__(self, name: str, value: object) -> None:
@@ -395,6 +429,23 @@ class Policy:
 
     def __deepcopy__(self, memo: object) -> Policy:
         return self
+
+
+def _option_text(value: object) -> str:
+    """An option's value in the text syntax: ``|`` joins names, and per-dtype tolerances as ``dtype:number``."""
+    if not isinstance(value, tuple):
+        return str(value)
+    return "|".join(item if isinstance(item, str) else _dtype_text(*item) for item in value)
+
+
+def _dtype_text(dtype: str, number: float) -> str:
+    return str(number) if dtype == "*" else f"{dtype}:{number}"
+
+
+def _option_repr(value: object) -> str:
+    if isinstance(value, tuple) and value and isinstance(value[0], tuple):
+        return repr(dict(value))
+    return repr(value)
 
 
 def _options(base: PolicyOptions, options: Mapping[str, object]) -> PolicyOptions:

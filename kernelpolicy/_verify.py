@@ -28,10 +28,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from ._policy import Tolerance
 
 __all__ = ["DEFAULT_TOLERANCES", "BufferState", "Mismatch", "clone_tensors", "compare", "map_tensors", "tolerances"]
 
@@ -57,9 +60,19 @@ class Mismatch:
     index: tuple[int, ...] | None = None
 
 
-def tolerances(dtype: torch.dtype, rtol: float | None, atol: float | None) -> tuple[float, float]:
+def tolerances(dtype: torch.dtype, rtol: Tolerance, atol: Tolerance) -> tuple[float, float]:
+    """(rtol, atol) for ``dtype``: the policy's, for that dtype or for every dtype (``*``), else the default."""
     default = DEFAULT_TOLERANCES.get(dtype, (0.0, 0.0))
-    return (default[0] if rtol is None else rtol, default[1] if atol is None else atol)
+    return _pick(rtol, dtype, default[0]), _pick(atol, dtype, default[1])
+
+
+def _pick(value: Tolerance, dtype: torch.dtype, default: float) -> float:
+    if value is None:
+        return default
+    if isinstance(value, tuple):
+        named = dict(value)
+        return named.get(str(dtype).removeprefix("torch."), named.get("*", default))
+    return value
 
 
 def map_tensors(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
@@ -116,9 +129,7 @@ class BufferState:
                 tensor.copy_(value)
 
 
-def compare(
-    kernel: Any, original: Any, *, rtol: float | None, atol: float | None, where: str = "output"
-) -> Mismatch | None:
+def compare(kernel: Any, original: Any, *, rtol: Tolerance, atol: Tolerance, where: str = "output") -> Mismatch | None:
     """The first mismatch between ``kernel`` and ``original`` outputs, or None."""
     if isinstance(original, torch.Tensor):
         if not isinstance(kernel, torch.Tensor):

@@ -100,6 +100,23 @@ def test_tolerances_can_be_widened(with_repo: Callable[[str], DemoModel]) -> Non
         model(X)
 
 
+def test_tolerances_per_dtype(with_repo: Callable[[str], DemoModel]) -> None:
+    model = with_repo("wrong")  # float32, 1% off
+    with kp.kernel_policy("verify", rtol={torch.float32: 0.02}, atol=1e-4):
+        model(X)
+    with (
+        kp.kernel_policy("verify", rtol="bfloat16:0.02|float16:0.02"),
+        pytest.raises(kp.KernelMismatchError, match="beyond rtol=1e-05"),
+    ):
+        model(X)  # float32 not named: its default
+    with kp.kernel_policy("verify", rtol="0.02|bfloat16:0.05", atol=1e-4):
+        model(X)  # '*' (the bare number) covers float32
+    policy = kp.Policy.parse("verify,rtol=0.02|bfloat16:0.05")
+    assert policy.rtol == (("*", 0.02), ("bfloat16", 0.05))
+    assert str(policy) == "verify,rtol=0.02|bfloat16:0.05"
+    assert repr(policy) == "Policy('verify', rtol={'*': 0.02, 'bfloat16': 0.05})"
+
+
 def test_on_mismatch_warn_logs_once_per_layer_and_returns_kernel_output(
     with_repo: Callable[[str], DemoModel], caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -218,8 +235,13 @@ def test_verify_options_in_policy_values_and_syntax() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "fragment"),
     [
-        ({"atol": -1}, "atol must be a number >= 0, got -1"),
-        ({"rtol": "x"}, "rtol must be a number >= 0, got 'x'"),
+        ({"atol": -1}, r"atol must be a number >= 0, or numbers per dtype: .*; got -1"),
+        ({"rtol": "x"}, r"rtol must be a number >= 0, or numbers per dtype: .*; got 'x'"),
+        (
+            {"rtol": {"bfloat17": 1e-2}},
+            r"dtypes: float16, bfloat16, float32, float64, complex64, complex128; got the dtype 'bfloat17'",
+        ),
+        ({"rtol": "float16:1e-3|float16:1e-2"}, "rtol names 'float16' twice"),
         ({"on_mismatch": "ignore"}, "on_mismatch must be 'raise' or 'warn', got 'ignore'"),
     ],
 )
