@@ -32,7 +32,7 @@ import weakref
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, final
 
-from ._policy import BUILTIN, ENV_VAR, MODES, Policy, PolicyMode
+from ._policy import BUILTIN, ENV_VAR, MODES, Policy
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
@@ -45,14 +45,16 @@ __all__ = [
     "current_policy",
     "ensure_env",
     "known_layers",
+    "known_variants",
     "register_layer_name",
+    "register_variant",
 ]
 
 #: What ``active.modes`` holds for a mode while calls are recorded: a value the
 #: forward's fast exits do not know, so every call takes the slow path that records.
-RECORDED: dict[PolicyMode, str] = {mode: f"{mode}+record" for mode in MODES}
-#: The mode behind each of those entries.
-UNRECORDED: dict[str, PolicyMode] = {f"{mode}+record": mode for mode in MODES}
+RECORDED: dict[str, str] = {mode: f"{mode}+record" for mode in MODES}
+#: The mode behind each of those entries. Variant entries (``"kernel:a|b"``) are added as policies name them.
+UNRECORDED: dict[str, str] = {f"{mode}+record": mode for mode in MODES}
 
 # Scopes. Unset means "no scope active in this context".
 _SCOPED: ContextVar[Active] = ContextVar("kernelpolicy.scoped")
@@ -118,11 +120,15 @@ _KNOWN_LAYERS: set[str] = set()
 
 
 def _fill(active: Active, names: Iterable[str]) -> None:
-    """Write the entries of ``names`` into ``active`` (never overwriting one)."""
+    """Write the entries of ``names`` into ``active`` (never overwriting one; called with ``_INTERN_LOCK`` held)."""
     policy = active.policy
     for name in names:
         mode = policy.mode_for(name)
-        active.modes.__dict__.setdefault(name, RECORDED[mode] if active.recording else mode)
+        entry = policy.entry_for(name)  # the mode, or the variants a layer entry names
+        if entry not in RECORDED:
+            RECORDED[entry] = f"{entry}+record"
+            UNRECORDED[RECORDED[entry]] = entry
+        active.modes.__dict__.setdefault(name, RECORDED[entry] if active.recording else entry)
         active.kernel_on.__dict__.setdefault(name, mode != "disable")
         active.required.__dict__.setdefault(name, mode == "require")
 
@@ -163,6 +169,20 @@ def register_layer_name(name: str) -> None:
             for active in [*_INTERNED.values(), DEFAULTS.active]:
                 _fill(active, (name,))
             _KNOWN_LAYERS.add(name)
+
+
+_KNOWN_VARIANTS: dict[str, set[str]] = {}
+
+
+def register_variant(layer_name: str, variant: str) -> None:
+    """Record that a kernel variant ``variant`` is bound for ``layer_name`` somewhere in this process."""
+    with _INTERN_LOCK:
+        _KNOWN_VARIANTS.setdefault(layer_name, set()).add(variant)
+
+
+def known_variants(layer_name: str) -> frozenset[str]:
+    """The kernel variant names bound for ``layer_name`` so far in this process."""
+    return frozenset(_KNOWN_VARIANTS.get(layer_name, ()))
 
 
 def known_layers() -> frozenset[str]:

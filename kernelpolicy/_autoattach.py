@@ -267,7 +267,7 @@ def _runs_unattached_kernel(module: nn.Module) -> bool:
 
 def _missed(policy: Policy, module: nn.Module) -> bool:
     """Whether ``policy`` would make ``module`` take another path than it takes outside kernelpolicy."""
-    mode = policy.mode_for(str(getattr(type(module), "kernel_layer_name", "")))
+    mode = policy.entry_for(str(getattr(type(module), "kernel_layer_name", "")))  # a variant entry asks too
     return mode != "prefer" if _runs_kernel(module) else mode == "require"
 
 

@@ -67,10 +67,11 @@ from torch.nn.modules.module import (  # the names nn.Module._call_impl reads, f
 )
 
 from . import _compat
-from ._active import DEFAULTS, ensure_env
-from ._dispatch import Binding, make_forward
+from ._active import DEFAULTS, ensure_env, register_variant
+from ._dispatch import Binding, kernel_of, make_forward
+from ._errors import PolicyError
 from ._policy import check_layer_name
-from ._rules import RULES, KernelRule
+from ._rules import RULES, VARIANT_RULES, KernelRule
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -109,6 +110,8 @@ ATTACH_HOOKS: list[Callable[[nn.Module, Mapping[str, Any]], None]] = []
 NO_ORIGINAL: list[Callable[[Callable[..., Any]], str | None]] = []
 #: True while :func:`kernelize` runs ``kernels.kernelize``: it attaches the model itself, with its options.
 KERNELIZING: ContextVar[bool] = ContextVar("kernelpolicy.kernelizing", default=False)
+# The variant name :func:`kernelize` binds kernels under while kernels.kernelize runs (None: the default kernel).
+_VARIANT: ContextVar[str | None] = ContextVar("kernelpolicy.variant", default=None)
 # Kernel layer name -> its policy-aware modules alive, so that a new rule rebuilds their forwards.
 _AWARE_MODULES: dict[str, weakref.WeakSet[nn.Module]] = {}
 
@@ -179,20 +182,41 @@ def kernelize(
     device: str | torch.device | None = None,
     use_fallback: bool | KernelizeFallback = True,
     attention_fallback: str | None = None,
+    variant: str | None = None,
 ) -> M:
     """``kernels.kernelize`` with the same arguments, then :func:`attach` (with ``attention_fallback``).
 
     ``mode`` is kernels' (which kernel variants to bind), not a policy mode:
     a ``kernels.Mode`` or a string such as ``"inference"`` or
     ``"training|torch_compile"``.
+
+    ``variant``: bind the kernels of the mapping in effect as a named variant, next to the kernel each layer
+    already has (the ``default`` variant) and the other variants; a policy entry ``"kernel:name|..."``
+    chooses among them per call (``kernel_policy(RMSNorm="kernel:liger|default")``: liger where it can run,
+    else the default kernel, else the original forward). A layer the mapping has no kernel for loses that
+    variant. Kernelizing again without ``variant`` (transformers' ``train()``/``eval()`` do) keeps the variants.
     """
+    if variant is not None:
+        _check_variant_name(variant)
+        attach(model, attention_fallback=attention_fallback)  # every module policy-aware: kernels' bindings land here
     kernels = _compat.kernels()
-    token = KERNELIZING.set(True)
+    token, named = KERNELIZING.set(True), _VARIANT.set(variant)
     try:
         kernels.kernelize(model, mode=_kernels_mode(mode), device=device, use_fallback=use_fallback)
     finally:
+        _VARIANT.reset(named)
         KERNELIZING.reset(token)
     return attach(model, attention_fallback=attention_fallback)
+
+
+def _check_variant_name(name: object) -> None:
+    from ._policy import DEFAULT_VARIANT, MODES
+
+    if not isinstance(name, str) or not name.isidentifier() or name in MODES or name == DEFAULT_VARIANT:
+        raise PolicyError(
+            f"kernelize(variant=...) takes an identifier other than the modes and {DEFAULT_VARIANT!r} "
+            f"(the kernel bound without a variant name); got {name!r}"
+        )
 
 
 def _kernels_mode(mode: object) -> KernelsMode:
@@ -267,6 +291,7 @@ def kernel_accepts(
     dtypes: Iterable[torch.dtype] | None = None,
     devices: Iterable[str] | None = None,
     check: Callable[..., bool | str | None] | None = None,
+    variant: str | None = None,
 ) -> None:
     """Declare which calls the kernels of ``layer_name`` accept; the others take the original forward.
 
@@ -279,7 +304,8 @@ def kernel_accepts(
     devices, shapes) are guarded: each outcome is one program, without a graph break; a ``check`` must read
     what tensors are, not what they hold. ``explain`` shows the rule; ``explain(model, *example_args)`` says
     what these inputs get. Replaces the layer's earlier rule, for modules bound before and after; no
-    criteria removes it. A rule costs an eager call about 1 µs (dtypes; 2 µs with devices and a check,
+    criteria removes it. With ``variant``, the rule is that kernel variant's alone (on top of the layer's):
+    under ``"kernel:half|fast"`` a call ``half`` refuses goes to ``fast``. A rule costs an eager call about 1 µs (dtypes; 2 µs with devices and a check,
     against 18 µs for an RMSNorm call on a CPU; a refused call takes the slow path, 6 µs;
     ``benchmarks/eligibility.py``); layers without a rule pay nothing.
 
@@ -304,11 +330,15 @@ def kernel_accepts(
     >>> kernelpolicy.kernel_accepts("HalfOnly")  # accepts every call again
     """
     name = check_layer_name(layer_name)
+    if variant is not None:
+        _check_variant_name(variant)
     rule = KernelRule(name, _dtypes(dtypes), _devices(devices), _check(check))
+    rules: dict[Any, KernelRule] = RULES if variant is None else VARIANT_RULES
+    key = name if variant is None else (name, variant)
     if rule.dtypes is None and rule.devices is None and rule.check is None:
-        RULES.pop(name, None)
+        rules.pop(key, None)
     else:
-        RULES[name] = rule
+        rules[key] = rule
     for module in list(_AWARE_MODULES.get(name, ())):
         binding = binding_of(module)
         if binding is not None:
@@ -380,17 +410,21 @@ def _make_aware(module: nn.Module, module_name: str | None) -> None:
 
 
 def _bind(module: nn.Module, assigned: Any, module_name: str | None) -> None:
-    """Bind ``assigned`` (what was set as ``module.forward``) as the module's kernel."""
+    """Bind ``assigned`` (what was set as ``module.forward``) as the module's kernel, or as the variant being bound."""
     _skip_as_dynamo_frame()
     original = _class_forward(module)
-    kernel: Callable[..., Any] | None = None
-    if assigned is not None:
-        if isinstance(assigned, types.MethodType) and assigned.__self__ is module:
-            kernel = None if assigned.__func__ is original else assigned.__func__
-        elif callable(assigned):
-            bound = assigned
-            kernel = functools.wraps(bound)(lambda _module, *args, **kwargs: bound(*args, **kwargs))
+    kernel = _kernel_function(module, assigned, original)
     kernel_class, repository = _kernel_origin(kernel)
+    existing = binding_of(module)
+    variant = _VARIANT.get()
+    if variant is not None and existing is not None:
+        if kernel is None:
+            existing.variants.pop(variant, None)
+        else:
+            existing.variants[variant] = kernel_of(kernel, kernel_class, repository)
+            register_variant(existing.layer_name, variant)
+        module.__dict__["forward"] = make_forward(existing)
+        return
     no_original = next((reason for check in NO_ORIGINAL if (reason := check(original)) is not None), None)
     binding = Binding(
         module=module,
@@ -402,9 +436,23 @@ def _bind(module: nn.Module, assigned: Any, module_name: str | None) -> None:
         repository=repository,
         no_original=no_original,
     )
+    if existing is not None:
+        binding.variants = existing.variants  # kernelized again (train()/eval()): the variants stay
     module.__dict__[BINDING] = binding
     module.__dict__["forward"] = make_forward(binding)
     _AWARE_MODULES.setdefault(binding.layer_name, weakref.WeakSet()).add(module)
+
+
+def _kernel_function(module: nn.Module, assigned: Any, original: Callable[..., Any]) -> Callable[..., Any] | None:
+    """The kernel ``assigned`` binds (called as ``kernel(module, ...)``), or None for the class's own forward."""
+    if assigned is None:
+        return None
+    if isinstance(assigned, types.MethodType) and assigned.__self__ is module:
+        return None if assigned.__func__ is original else assigned.__func__
+    if callable(assigned):
+        bound = assigned
+        return functools.wraps(bound)(lambda _module, *args, **kwargs: bound(*args, **kwargs))
+    return None
 
 
 def _class_forward(module: nn.Module) -> Callable[..., Any]:
@@ -616,6 +664,10 @@ def _aware_members(cls: type[nn.Module]) -> dict[str, Any]:
         memo[id(self)] = new
         new.__dict__.update(copy.deepcopy(_own_state(self), memo))
         _rebind(new, binding.kernel if binding is not None else None, _module_name(self))
+        copied = binding_of(new)
+        if binding is not None and binding.variants and copied is not None:
+            copied.variants = dict(binding.variants)
+            new.__dict__["forward"] = make_forward(copied)
         return new
 
     members: dict[str, Any] = {

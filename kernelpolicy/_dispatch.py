@@ -74,7 +74,7 @@ import linecache
 import logging
 import sys
 import types
-from typing import TYPE_CHECKING, Any, Final, Literal, final
+from typing import TYPE_CHECKING, Any, Final, Literal, NamedTuple, final
 
 import torch
 import torch.compiler as _compiler  # noqa: F401 - read by the generated forwards (TRACING_CHECK)
@@ -85,7 +85,8 @@ from . import _state
 from ._active import DEFAULTS, RECOMPUTED_WITH_GRAD, RECORDERS, UNRECORDED, register_layer_name
 from ._compat import DYNAMO_DISABLE_MARK
 from ._errors import KernelMismatchError, KernelUnavailableError, OriginalUnavailableError, unavailable_message
-from ._rules import RULES, parameter_names
+from ._policy import DEFAULT_VARIANT, VARIANTS, variant_names
+from ._rules import RULES, VARIANT_RULES, parameter_names
 from ._verify import tensors_in
 
 if TYPE_CHECKING:
@@ -96,7 +97,7 @@ if TYPE_CHECKING:
     from ._policy import PolicyMode
     from ._state import ExecutionState
 
-__all__ = ["LOCAL_SHARDS", "Binding", "Path", "autograd_records", "decide", "make_forward"]
+__all__ = ["LOCAL_SHARDS", "Binding", "Kernel", "Path", "autograd_records", "decide", "make_forward"]
 
 logger = logging.getLogger("kernelpolicy")
 
@@ -194,6 +195,27 @@ def decide(
 _logged: set[tuple[str, str]] = set()
 
 
+class Kernel(NamedTuple):
+    """A kernel variant bound to a module (``kernelize(..., variant=name)``): called as ``function(module, ...)``."""
+
+    function: Callable[..., Any]
+    kernel_class: type | None
+    repository: str | None
+    can_torch_compile: bool
+    has_backward: bool
+
+
+def kernel_of(function: Callable[..., Any], kernel_class: type | None, repository: str | None) -> Kernel:
+    """A :class:`Kernel` with the declarations its kernel layer class makes."""
+    return Kernel(
+        function,
+        kernel_class,
+        repository,
+        getattr(kernel_class, "can_torch_compile", False) is True,
+        getattr(kernel_class, "has_backward", True) is not False,
+    )
+
+
 @final
 class Binding:
     """What kernelpolicy knows about one policy-aware module.
@@ -220,6 +242,7 @@ class Binding:
         "parameters",
         "repository",
         "stopped",
+        "variants",
     )
 
     def __init__(
@@ -262,6 +285,8 @@ class Binding:
         self.failures = 0
         self.last_failure: str | None = None
         self.stopped: str | None = None
+        #: Kernel variants by name (``kernelize(..., variant=name)``), chosen by a policy entry "kernel:name|...".
+        self.variants: dict[str, Kernel] = {}
 
     def kernel_name(self) -> str | None:
         """The bound kernel as ``explain`` shows it: its repository and layer when known, else its class; None without."""
@@ -274,12 +299,15 @@ class Binding:
         return str(getattr(self.kernel, "__qualname__", self.kernel))
 
     def decide(
-        self, mode: PolicyMode, state: ExecutionState, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+        self, mode: str, state: ExecutionState, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> tuple[Path, str]:
-        """The path of a call with ``args`` and ``kwargs``.
+        """The path of a call with ``args`` and ``kwargs`` under ``mode`` (a mode, or a variant entry).
 
         Without them: of a call whose arguments need no grad and that the layer's rule accepts.
         """
+        if mode.startswith(VARIANTS):
+            path, reason, _ = self.choose(mode, state, args, kwargs)
+            return path, reason
         flags = {
             "has_kernel": self.kernel is not None,
             "can_torch_compile": self.can_torch_compile,
@@ -298,8 +326,52 @@ class Binding:
             return "error", self.no_original
         return path, reason
 
+    def kernel_named(self, name: str) -> Kernel | None:
+        """The variant ``name`` (``default``: the kernel bound without a name), or None if not bound."""
+        if name == DEFAULT_VARIANT:
+            if self.kernel is None:
+                return None
+            return Kernel(self.kernel, self.kernel_class, self.repository, self.can_torch_compile, self.has_backward)
+        return self.variants.get(name)
+
+    def choose(
+        self, entry: str, state: ExecutionState, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> tuple[Path, str, Callable[..., Any] | None]:
+        """Under a variant entry: the first variant that can run this call (path, reason, its function), else the original."""
+        refusals = []
+        for name in variant_names(entry):
+            kernel = self.kernel_named(name)
+            if kernel is None:
+                refusals.append(f"{name!r} not bound")
+                continue
+            path, reason = decide(
+                "prefer",
+                has_kernel=True,
+                can_torch_compile=kernel.can_torch_compile,
+                has_backward=kernel.has_backward,
+                state=state,
+                needs_backward=not kernel.has_backward and autograd_records(self.module, args, kwargs),
+            )
+            if path == "kernel" and (self.stopped is not None or args or kwargs):
+                refused = self.blocked(self.module, args, kwargs or {})
+                rule = VARIANT_RULES.get((self.layer_name, name))
+                if refused is None and rule is not None:
+                    why = rule.reject(self.module, args, kwargs or {}, self.parameters)
+                    refused = None if why is None else f"{INELIGIBLE}: {why}"
+                if refused is not None:
+                    path, reason = "original", refused
+            if path == "kernel":
+                where = f" ({kernel.repository})" if kernel.repository else ""
+                return "kernel", f"variant {name!r}{where}", kernel.function
+            refusals.append(f"{name!r}: {reason}")
+        return "original", f"no variant can run ({'; '.join(refusals)})", None
+
     def refused(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
-        """Why the kernel may not run this call: stopped after failures, or refused by the layer's rule; else None."""
+        """Why the kernel may not run this call (none bound: only variants, or :meth:`blocked`); else None."""
+        return NO_KERNEL if self.kernel is None else self.blocked(module, args, kwargs)
+
+    def blocked(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+        """Why no kernel of this module may run this call: stopped after failures, or refused by the layer's rule."""
         if self.stopped is not None:
             return self.stopped
         rule = RULES.get(self.layer_name)
@@ -345,14 +417,20 @@ class Binding:
             self.module.__dict__["forward"] = make_forward(self)
 
     def slow_path(
-        self, mode: PolicyMode, args: tuple[Any, ...], kwargs: dict[str, Any], state: ExecutionState | None = None
+        self, mode: str, args: tuple[Any, ...], kwargs: dict[str, Any], state: ExecutionState | None = None
     ) -> Any:
         """Every call the fast exits of the forward closure do not take."""
+        if self.variants and _is_dynamo():  # the body passed "prefer" or "require": read (and guard) the entry
+            entry = getattr(DEFAULTS.active._current.modes, self.layer_name)
+            if entry.startswith(VARIANTS):
+                mode = entry
         recording = mode in UNRECORDED
         if recording:
             mode = UNRECORDED[mode]
         if state is None:
             state = _state.execution_state()
+        if mode.startswith(VARIANTS):
+            return self._run_variant(mode, state, args, kwargs, recording)
         path, reason = self.decide(mode, state, args, kwargs)
         recorders = RECORDERS.get() if recording and not _is_dynamo() else ()
         if path == "kernel" and state == "eager":
@@ -392,6 +470,18 @@ class Binding:
             )
             _raise_unavailable(self, reason)
         raise self.error(reason)
+
+    def _run_variant(
+        self, entry: str, state: ExecutionState, args: tuple[Any, ...], kwargs: dict[str, Any], recording: bool
+    ) -> Any:
+        """A call under a variant entry: the first variant that can run it, else the original (logged once)."""
+        path, reason, function = self.choose(entry, state, args, kwargs)
+        recorders = RECORDERS.get() if recording and not _is_dynamo() else ()
+        if function is not None:
+            return self._run(recorders, path, reason, function, args, kwargs)
+        if not _is_dynamo():
+            self._log_fallback(reason)
+        return self._run(recorders, path, reason, self.original, args, kwargs)
 
     def unsupported(
         self,
@@ -750,9 +840,9 @@ def make_forward(binding: Binding) -> Callable[..., Any]:
     rule (``kernel_accepts``) takes ``ruled``: ``general`` that also asks the
     rule (:meth:`Binding.refused`) before the kernel runs.
     """
-    if binding.kernel is None:
+    if binding.kernel is None and not binding.variants:
         variant = "without_kernel"
-    elif binding.layer_name in RULES or binding.stopped is not None:
+    elif binding.layer_name in RULES or binding.stopped is not None or binding.variants:
         variant = "ruled"
     elif binding.can_torch_compile and binding.has_backward:
         variant = "always_usable"

@@ -26,6 +26,7 @@ from ._active import DEFAULTS, UNRECORDED, current_policy
 from ._binding import BINDING, binding_of, kernel_modules
 from ._dispatch import LOCAL_SHARDS, NO_SHARDING, USABLE, Binding, has_dtensor
 from ._errors import KernelUnavailableError
+from ._policy import VARIANTS
 from ._rules import RULES
 from ._scope import _recording_scope
 from ._state import ExecutionState, execution_state
@@ -38,7 +39,6 @@ if TYPE_CHECKING:
 
     from ._accounting import CallCounts
     from ._dispatch import Path
-    from ._policy import PolicyMode
 
 __all__ = ["ROW_SOURCES", "UNGOVERNED_SOURCES", "Explanation", "LayerRow", "Ungoverned", "explain", "will_use_kernel"]
 
@@ -96,7 +96,11 @@ def will_use_kernel(module: nn.Module, *args: Any, **kwargs: Any) -> bool:
         )
     active = DEFAULTS.active._current
     if _is_dynamo():  # the compiled forward's read: whether the kernel is on, not the mode that spells it
-        mode: PolicyMode = "prefer" if getattr(active.kernel_on, binding.layer_name) else "disable"
+        mode: str = "prefer" if getattr(active.kernel_on, binding.layer_name) else "disable"
+        if binding.variants:  # and which variants: the entry (as the slow path reads it)
+            entry = getattr(active.modes, binding.layer_name)
+            mode = entry if UNRECORDED.get(entry, entry).startswith(VARIANTS) else mode
+            mode = UNRECORDED.get(mode, mode)
         return binding.decide(mode, "compile", args, kwargs)[0] == "kernel"
     entry = getattr(active.modes, binding.layer_name)
     return binding.decide(UNRECORDED.get(entry, entry), execution_state(), args, kwargs)[0] == "kernel"
@@ -114,7 +118,7 @@ class LayerRow:
     kernel: str | None
     can_torch_compile: bool
     has_backward: bool
-    mode: PolicyMode
+    mode: str  # a mode, or the variants the policy names ("kernel:liger|default")
     path: Path
     reason: str
     policy_aware: bool
@@ -227,7 +231,7 @@ def explain(
     entries = [*_marked(model), *(entry for source in ROW_SOURCES for entry in source(model))]
     observed = _observe(model, example_args, example_kwargs, entries) if example_args or example_kwargs else None
     rows = tuple(
-        _row(name, found, policy.mode_for(found.layer_name), state, recorded, observed) for name, found in entries
+        _row(name, found, policy.entry_for(found.layer_name), state, recorded, observed) for name, found in entries
     )
     present = {row.layer_name for row in rows}
     unmatched = tuple(f"{name}={mode}" for name, mode in sorted(policy.layers.items()) if name not in present)
@@ -289,7 +293,7 @@ def _observe(
 def _row(
     name: str,
     found: Binding | Ungoverned,
-    mode: PolicyMode,
+    mode: str,
     state: ExecutionState,
     recorded: dict[str, dict[str, int]] | None,
     observed: dict[str, tuple[Path, str]] | None = None,
@@ -331,7 +335,7 @@ def _row(
     )
 
 
-def _on_dtensor(binding: Binding, mode: PolicyMode, path: Path, reason: str) -> tuple[Path, str]:
+def _on_dtensor(binding: Binding, mode: str, path: Path, reason: str) -> tuple[Path, str]:
     """The row of a kernel layer that has met DTensor arguments or parameters (see ``Binding.unsupported``)."""
     if path != "kernel":
         return path, reason

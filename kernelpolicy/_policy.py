@@ -8,7 +8,10 @@ This module owns:
   ``verify``, and what ``prefer`` does when a kernel raises); equal, hashable
   and pickled by content;
 - the text syntax shared by the ``KERNELPOLICY`` variable and
-  :meth:`Policy.parse` (``"prefer,RMSNorm=disable,SiLU=require"``).
+  :meth:`Policy.parse` (``"prefer,RMSNorm=disable,SiLU=require"``);
+- variant entries: a layer entry ``"kernel:liger|triton"`` names kernel
+  variants (bound with ``kernelize(..., variant="liger")``) in order of
+  preference; the first that can run does, else the original forward.
 
 A policy holds no dispatch machinery: what the forwards read, and the state
 that says which policy is in effect, are in ``_active``.
@@ -27,7 +30,19 @@ from ._errors import PolicyError
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
-__all__ = ["ENV_VAR", "MODES", "OPTIONS", "VALID_MODES", "Policy", "PolicyMode", "exception_types"]
+__all__ = [
+    "DEFAULT_VARIANT",
+    "ENV_VAR",
+    "MODES",
+    "OPTIONS",
+    "VALID_MODES",
+    "VARIANTS",
+    "Policy",
+    "PolicyMode",
+    "check_entry",
+    "exception_types",
+    "variant_names",
+]
 
 PolicyMode = Literal["prefer", "disable", "require", "verify"]
 """What a policy says for a layer. Not ``kernels.Mode``, the flags that
@@ -44,6 +59,10 @@ ENV_VAR = "KERNELPOLICY"
 
 #: The modes as error messages list them.
 VALID_MODES = ", ".join(repr(m) for m in MODES)
+#: How a layer entry names kernel variants: ``"kernel:liger|triton"``; ``default`` is the unnamed kernel.
+VARIANTS = "kernel:"
+#: The name of the kernel bound without a variant name.
+DEFAULT_VARIANT = "default"
 
 
 class PolicyOptions(NamedTuple):
@@ -69,7 +88,9 @@ class _Key(NamedTuple):
     """What a policy is: equality, hashing and pickling use exactly this."""
 
     default: PolicyMode
-    layers: tuple[tuple[str, PolicyMode], ...]  # sorted by name; entries equal to the default dropped
+    layers: tuple[
+        tuple[str, str], ...
+    ]  # sorted by name: a mode or a variant entry; entries equal to the default dropped
     options: PolicyOptions
 
 
@@ -96,6 +117,35 @@ def check_mode(value: object, what: str) -> PolicyMode:
     raise PolicyError(
         f"a mode must be a string, got {_shown(value)} ({type(value).__name__}) for {what}; valid modes are {VALID_MODES}"
     )
+
+
+def check_entry(value: object, what: str) -> str:
+    """A layer entry: a mode, or variants ``"kernel:name|name"`` (canonical: names once each, in order)."""
+    if isinstance(value, str) and value.startswith(VARIANTS):
+        names: list[str] = []
+        for raw in value[len(VARIANTS) :].split("|"):
+            name = raw.strip()
+            if not name.isidentifier() or name in MODES:
+                raise PolicyError(
+                    f"variant {_shown(name)} in {_shown(value)} for {what}: a variant name is an identifier other "
+                    f"than a mode; write 'kernel:liger' or 'kernel:liger|triton' ({DEFAULT_VARIANT!r}: the kernel "
+                    "bound without a variant name)"
+                )
+            if name in names:
+                raise PolicyError(f"variant {name!r} named twice in {_shown(value)} for {what}")
+            names.append(name)
+        return VARIANTS + "|".join(names)
+    try:
+        return check_mode(value, what)
+    except PolicyError as error:
+        if isinstance(value, str) and value.isidentifier():
+            raise PolicyError(f"{error}; a kernel variant is written {_shown(VARIANTS + value)}") from None
+        raise
+
+
+def variant_names(entry: str) -> tuple[str, ...]:
+    """The variants a layer entry names, in order (none for a mode)."""
+    return tuple(entry[len(VARIANTS) :].split("|")) if entry.startswith(VARIANTS) else ()
 
 
 def check_layer_name(name: object) -> str:
@@ -273,11 +323,12 @@ class Policy:
 
     __module__ = "kernelpolicy"  # the public name (see kernelpolicy/__init__.py)
 
-    __slots__ = ("_hash", "_key", "_modes")
+    __slots__ = ("_hash", "_key", "_modes", "_variants")
 
     _key: _Key
-    _modes: dict[str, PolicyMode]
+    _modes: dict[str, str]
     _hash: int
+    _variants: tuple[tuple[str, tuple[str, ...]], ...]  # (layer, variant names) of the variant entries
 
     def __new__(cls, default: PolicyMode = "prefer", /, **layers: Any) -> Policy:
         modes, options = split_options(layers)
@@ -289,9 +340,14 @@ class Policy:
         return self._key.default
 
     @property
-    def layers(self) -> Mapping[str, PolicyMode]:
-        """The per-layer modes that differ from :attr:`default` (read-only)."""
+    def layers(self) -> Mapping[str, str]:
+        """The per-layer entries that differ from :attr:`default`: modes or variants (read-only)."""
         return MappingProxyType(self._modes)
+
+    @property
+    def variant_entries(self) -> tuple[tuple[str, tuple[str, ...]], ...]:
+        """``(layer name, variant names)`` of each layer entry that names variants."""
+        return self._variants
 
     @property
     def options(self) -> PolicyOptions:
@@ -324,11 +380,16 @@ class Policy:
         return self._key.options.max_failures
 
     def mode_for(self, layer_name: str) -> PolicyMode:
-        """The mode for layers marked with kernel layer name ``layer_name``."""
+        """The mode for layers marked with kernel layer name ``layer_name`` (``prefer`` for a variant entry)."""
+        entry = self._modes.get(layer_name, self._key.default)
+        return "prefer" if entry.startswith(VARIANTS) else entry  # type: ignore[return-value]
+
+    def entry_for(self, layer_name: str) -> str:
+        """What this policy says for ``layer_name``: a mode, or its variants (``"kernel:liger|triton"``)."""
         return self._modes.get(layer_name, self._key.default)
 
     def overlay(
-        self, default: PolicyMode | None, layers: Mapping[str, PolicyMode], options: Mapping[str, object] | None = None
+        self, default: PolicyMode | None, layers: Mapping[str, str], options: Mapping[str, object] | None = None
     ) -> Policy:
         """This policy with what ``default``, ``layers`` and verify ``options`` name replaced.
 
@@ -367,7 +428,7 @@ class Policy:
         if not isinstance(text, str):
             raise PolicyError(f"{where}: a policy must be given as a string, got {type(text).__name__}")
         default: PolicyMode | None = None
-        layers: dict[str, PolicyMode] = {}
+        layers: dict[str, str] = {}
         options: dict[str, object] = {}
         tokens = text.split(",")
         for position, raw in enumerate(tokens, start=1):
@@ -389,7 +450,7 @@ class Policy:
                     options.update(check_options({name: mode}))
                     continue
                 check_layer_name(name)
-                layers[name] = check_mode(mode, f"layer {_shown(name)}")
+                layers[name] = check_entry(mode, f"layer {_shown(name)}")
             except PolicyError as exc:
                 raise PolicyError(f"{where}: {exc}") from None
         return _make(default if default is not None else "prefer", layers, _options(NO_OPTIONS, options))
@@ -453,9 +514,9 @@ def _options(base: PolicyOptions, options: Mapping[str, object]) -> PolicyOption
 
 
 def _make(default: PolicyMode, layers: Mapping[str, object], options: PolicyOptions = NO_OPTIONS) -> Policy:
-    modes: dict[str, PolicyMode] = {}
+    modes: dict[str, str] = {}
     for name, mode in sorted(layers.items()):
-        checked = check_mode(mode, f"layer {_shown(check_layer_name(name))}")
+        checked = check_entry(mode, f"layer {_shown(check_layer_name(name))}")
         if checked != default:
             modes[name] = checked
     policy = object.__new__(Policy)
@@ -463,6 +524,8 @@ def _make(default: PolicyMode, layers: Mapping[str, object], options: PolicyOpti
     object.__setattr__(policy, "_key", key)
     object.__setattr__(policy, "_modes", modes)
     object.__setattr__(policy, "_hash", hash(key))
+    variants = tuple((name, variant_names(entry)) for name, entry in modes.items() if entry.startswith(VARIANTS))
+    object.__setattr__(policy, "_variants", variants)
     return policy
 
 

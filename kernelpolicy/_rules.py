@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
     from torch import nn
 
-__all__ = ["RULES", "KernelRule"]
+__all__ = ["RULES", "VARIANT_RULES", "KernelRule"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,8 +88,11 @@ class KernelRule:
         return "; ".join(parts)
 
 
-#: Kernel layer name -> its rule. Written by ``kernel_accepts`` (``_binding``), read by ``_dispatch``.
+#: Kernel layer name -> its rule, for every kernel of the layer. Written by ``kernel_accepts`` (``_binding``),
+#: read by ``_dispatch``.
 RULES: dict[str, KernelRule] = {}
+#: (kernel layer name, variant name) -> the rule of that kernel variant alone (on top of the layer's).
+VARIANT_RULES: dict[tuple[str, str], KernelRule] = {}
 
 
 def _positional(index: int, names: tuple[str, ...]) -> str:

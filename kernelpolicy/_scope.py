@@ -38,9 +38,31 @@ import inspect
 from contextvars import ContextVar, Token
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar, cast, final, overload
 
-from ._active import _SCOPED, DEFAULTS, POLICY_CHECKS, RECORDERS, Active, activate, ensure_env, known_layers
+from ._active import (
+    _SCOPED,
+    DEFAULTS,
+    POLICY_CHECKS,
+    RECORDERS,
+    Active,
+    activate,
+    ensure_env,
+    known_layers,
+    known_variants,
+)
 from ._errors import PolicyError, ScopeError, warn_at_caller
-from ._policy import BUILTIN, MODES, VALID_MODES, Policy, PolicyMode, check_layer_name, check_mode, split_options
+from ._policy import (
+    BUILTIN,
+    DEFAULT_VARIANT,
+    MODES,
+    VALID_MODES,
+    VARIANTS,
+    Policy,
+    PolicyMode,
+    check_entry,
+    check_layer_name,
+    check_mode,
+    split_options,
+)
 
 if TYPE_CHECKING:
     from collections.abc import AsyncGenerator, Awaitable, Callable, Generator, Mapping
@@ -66,7 +88,7 @@ _CACHE_LIMIT = 64
 
 def _validated(
     mode: object, arguments: Mapping[str, object], *, what: str = "kernel_policy"
-) -> tuple[Policy | None, PolicyMode | None, dict[str, PolicyMode], dict[str, object]]:
+) -> tuple[Policy | None, PolicyMode | None, dict[str, str], dict[str, object]]:
     """Check scope arguments eagerly; return (fixed policy, default mode, layer modes, verify options).
 
     ``mode=`` as a keyword is the mode of every layer, like the positional (``kernelize`` takes ``mode=``
@@ -85,7 +107,7 @@ def _validated(
             f"@{what}('disable') or @{what}(RMSNorm='disable'), not @{what}"
         )
     layers, options = split_options(arguments)
-    checked = {check_layer_name(name): check_mode(value, f"layer {name!r}") for name, value in layers.items()}
+    checked = {check_layer_name(name): check_entry(value, f"layer {name!r}") for name, value in layers.items()}
     for name in checked:
         _hint_known_layer(name, what)
     if isinstance(mode, Policy):
@@ -178,6 +200,8 @@ class kernel_policy:  # noqa: N801 - lowercase like numpy.errstate and decimal.l
     def __enter__(self) -> Policy:
         ensure_env()
         active = self.resolve(DEFAULTS.active._current)
+        if active.policy.variant_entries:
+            _check_variants(active.policy, "kernel_policy")
         if POLICY_CHECKS:
             _check(active.policy)
         token = _SCOPED.set(active)
@@ -403,6 +427,8 @@ def set_default_policy(mode: PolicyMode | Policy | None = None, /, **layers: Any
     restore = fixed is None and default is None and not checked and not options
     base = DEFAULTS.env if DEFAULTS.env is not None else BUILTIN
     new = base if restore else fixed if fixed is not None else base.overlay(default, checked, options)
+    if new.variant_entries:
+        _check_variants(new, "set_default_policy")
     if POLICY_CHECKS:
         _check(new)
     with DEFAULTS.lock:
@@ -410,6 +436,20 @@ def set_default_policy(mode: PolicyMode | Policy | None = None, /, **layers: Any
         DEFAULTS.explicit = None if restore else new
         DEFAULTS.set(new)
     return previous
+
+
+def _check_variants(policy: Policy, what: str) -> None:
+    """Every variant a policy names must be bound for its layer somewhere in the process (or be ``default``)."""
+    for layer, names in policy.variant_entries:
+        bound = known_variants(layer)
+        for name in names:
+            if name != DEFAULT_VARIANT and name not in bound:
+                listed = ", ".join(repr(v) for v in sorted(bound)) if bound else "none yet"
+                raise PolicyError(
+                    f"{what}: no kernel variant {name!r} is bound for kernel layer {layer!r} "
+                    f"(in {layer}={VARIANTS}{'|'.join(names)}); bound: {listed}, and {DEFAULT_VARIANT!r} (the kernel "
+                    f"bound without a variant name). kernelpolicy.kernelize(model, mode=..., variant={name!r}) binds one"
+                )
 
 
 def _check(policy: Policy) -> None:
