@@ -1,14 +1,17 @@
-"""``python -m benchmarks.eligibility``: what a ``kernel_accepts`` rule costs an eager call (torch.utils.benchmark).
+"""``python -m benchmarks.eligibility``: what a rule and a variant choice cost an eager call (torch.utils.benchmark).
 
 One RMSNorm(16) layer with a local kernel, called eagerly on a (2, 16) float32 tensor with one thread: kernels'
-own binding, kernelpolicy without a rule, with a dtype rule, with dtypes, devices and a check, and with a rule
-that refuses the call (the original forward runs). One ``Compare`` table; read the ratios, not the times.
+own binding, kernelpolicy without a rule, with a dtype rule, with dtypes, devices and a check, with a rule
+that refuses the call (the original forward runs), and a layer with a second kernel bound as the variant
+``fast``, under ``prefer`` (its default kernel) and under ``RMSNorm="kernel:fast"``. One ``Compare`` table;
+read the ratios, not the times.
 """
 
 from __future__ import annotations
 
 import pathlib
 import tempfile
+import warnings
 
 import kernels
 import torch
@@ -23,10 +26,12 @@ __all__ = ["main"]
 def main(min_run_time: float = 1.0) -> list[Measurement]:
     torch.set_num_threads(1)
     repo = write_kernel_repo(pathlib.Path(tempfile.mkdtemp()), rms_norm_kernel_source(can_torch_compile=True))
-    aware, plain = RMSNorm(16), RMSNorm(16)
+    aware, plain, varied = RMSNorm(16), RMSNorm(16), RMSNorm(16)
     with local_mapping({"RMSNorm": repo}):
         kernelpolicy.kernelize(aware, mode="inference", device="cpu")
         kernels.kernelize(plain, mode=kernels.Mode.INFERENCE, device="cpu")
+        kernelpolicy.kernelize(varied, mode="inference", device="cpu")
+        kernelpolicy.kernelize(varied, mode="inference", device="cpu", variant="fast")
     x = torch.ones(2, 16)
     rules: list[tuple[str, dict[str, object]]] = [
         ("no rule", {}),
@@ -41,6 +46,12 @@ def main(min_run_time: float = 1.0) -> list[Measurement]:
             for label, rule in rules:
                 kernelpolicy.kernel_accepts("RMSNorm", **rule)  # type: ignore[arg-type]
                 results.append(_time(aware, x, f"kernelpolicy, {label}", round_, min_run_time))
+            kernelpolicy.kernel_accepts("RMSNorm")
+            results.append(_time(varied, x, "variants bound, prefer (the default kernel)", round_, min_run_time))
+            with warnings.catch_warnings():  # `plain` is kernels' own on purpose: the warning says so, once
+                warnings.filterwarnings("ignore", "the kernel policy .* does not reach")
+                with kernelpolicy.kernel_policy(RMSNorm="kernel:fast"):
+                    results.append(_time(varied, x, "variants bound, RMSNorm='kernel:fast'", round_, min_run_time))
     finally:
         kernelpolicy.kernel_accepts("RMSNorm")
     Compare(results).print()

@@ -135,12 +135,14 @@ def test_the_eligibility_benchmark_times_each_rule() -> None:
     from benchmarks import eligibility
 
     results = eligibility.main(min_run_time=0.01)
-    assert [m.task_spec.sub_label for m in results[:5]] == [
+    assert [m.task_spec.sub_label for m in results[:7]] == [
         "kernels' own binding",
         "kernelpolicy, no rule",
         "kernelpolicy, dtypes",
         "kernelpolicy, dtypes, devices, check",
         "kernelpolicy, refused (original runs)",
+        "variants bound, prefer (the default kernel)",
+        "variants bound, RMSNorm='kernel:fast'",
     ]
-    assert len(results) == 10 and all(m.median > 0 for m in results)
+    assert len(results) == 14 and all(m.median > 0 for m in results)
     assert "RMSNorm" not in kernelpolicy._rules.RULES  # the benchmark leaves no rule behind
