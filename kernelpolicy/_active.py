@@ -42,6 +42,7 @@ __all__ = [
     "POLICY_CHECKS",
     "Active",
     "activate",
+    "any_variant",
     "current_policy",
     "ensure_env",
     "known_layers",
@@ -178,6 +179,11 @@ def register_variant(layer_name: str, variant: str) -> None:
     """Record that a kernel variant ``variant`` is bound for ``layer_name`` somewhere in this process."""
     with _INTERN_LOCK:
         _KNOWN_VARIANTS.setdefault(layer_name, set()).add(variant)
+
+
+def any_variant(name: str) -> bool:
+    """Whether a kernel variant ``name`` is bound for any layer in this process."""
+    return any(name in names for names in list(_KNOWN_VARIANTS.values()))
 
 
 def known_variants(layer_name: str) -> frozenset[str]:

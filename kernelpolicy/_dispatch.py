@@ -119,6 +119,8 @@ NO_BACKWARD: Final = (
 )
 UNVERIFIED_IN_TRANSFORM: Final = "kernel usable; not verified under a torch.func transform (runs as under prefer)"
 INELIGIBLE: Final = "kernel does not accept this call"
+#: The ``reference`` option's name for the original forward.
+ORIGINAL: Final = "original"
 FAILED: Final = "kernel raised; the original forward ran (the policy's fallback_on)"
 
 
@@ -306,7 +308,7 @@ class Binding:
         Without them: of a call whose arguments need no grad and that the layer's rule accepts.
         """
         if mode.startswith(VARIANTS):
-            path, reason, _ = self.choose(mode, state, args, kwargs)
+            path, reason, _, _ = self.choose(mode, state, args, kwargs)
             return path, reason
         flags = {
             "has_kernel": self.kernel is not None,
@@ -336,8 +338,11 @@ class Binding:
 
     def choose(
         self, entry: str, state: ExecutionState, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
-    ) -> tuple[Path, str, Callable[..., Any] | None]:
-        """Under a variant entry: the first variant that can run this call (path, reason, its function), else the original."""
+    ) -> tuple[Path, str, Callable[..., Any] | None, str | None]:
+        """Under a variant entry: the first variant that can run this call (path, reason, its function, its name).
+
+        Else the original: (``"original"``, why each variant cannot, None, None).
+        """
         refusals = []
         for name in variant_names(entry):
             kernel = self.kernel_named(name)
@@ -362,9 +367,9 @@ class Binding:
                     path, reason = "original", refused
             if path == "kernel":
                 where = f" ({kernel.repository})" if kernel.repository else ""
-                return "kernel", f"variant {name!r}{where}", kernel.function
+                return "kernel", f"variant {name!r}{where}", kernel.function, name
             refusals.append(f"{name!r}: {reason}")
-        return "original", f"no variant can run ({'; '.join(refusals)})", None
+        return "original", f"no variant can run ({'; '.join(refusals)})", None, None
 
     def refused(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
         """Why the kernel may not run this call (none bound: only variants, or :meth:`blocked`); else None."""
@@ -474,10 +479,20 @@ class Binding:
     def _run_variant(
         self, entry: str, state: ExecutionState, args: tuple[Any, ...], kwargs: dict[str, Any], recording: bool
     ) -> Any:
-        """A call under a variant entry: the first variant that can run it, else the original (logged once)."""
-        path, reason, function = self.choose(entry, state, args, kwargs)
+        """A call under a variant entry: the first variant that can run it, else the original (logged once).
+
+        With the policy's ``reference`` option, in eager code outside ``torch.func`` transforms, the variant's
+        output is compared with the reference's as ``verify`` compares (:meth:`verify`).
+        """
+        path, reason, function, name = self.choose(entry, state, args, kwargs)
         recorders = RECORDERS.get() if recording and not _is_dynamo() else ()
         if function is not None:
+            policy = DEFAULTS.active._current.policy
+            if policy.options.reference is not None and state == "eager" and not _state.in_transform():
+                compared = lambda module, *a, **k: self.verify(a, k, function, f"variant {name!r}")  # noqa: E731
+                return self._run(
+                    recorders, path, f"{reason}; verified against {policy.options.reference}", compared, args, kwargs
+                )
             return self._run(recorders, path, reason, function, args, kwargs)
         if not _is_dynamo():
             self._log_fallback(reason)
@@ -549,18 +564,37 @@ class Binding:
         for recorder in recorders:
             recorder.add(self.module_name, self.layer_name, path, reason, raised)
 
-    def verify(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """Run the original (on cloned inputs) and the kernel; compare; return the kernel's output."""
+    def verify(
+        self,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        tested: Callable[..., Any] | None = None,
+        tested_name: str = "kernel",
+    ) -> Any:
+        """Run the reference (on cloned inputs) and the tested kernel; compare; return the tested kernel's output.
+
+        The tested kernel is the module's kernel unless given (a variant); the reference is the original
+        forward, or the variant the policy's ``reference`` option names (the original, logged once, where
+        this module has no such variant).
+        """
         from ._verify import BufferState, clone_tensors, compare
 
         policy = DEFAULTS.active._current.policy
-        kernel = self.kernel
+        kernel = self.kernel if tested is None else tested
         assert kernel is not None
+        reference, reference_name = self.original, "the original forward"
+        named = policy.options.reference
+        if named is not None and named != ORIGINAL:
+            found = self.kernel_named(named)
+            if found is not None:
+                reference, reference_name = found.function, f"variant {named!r}"
+            else:
+                self._log_once(f"no {named}", logging.WARNING, f"has no variant {named!r}: compared with its original")
         devices = sorted({t.device.index or 0 for t in tensors_in((args, kwargs)) if t.is_cuda})
         buffers = BufferState(self.module)
         try:
             with torch.no_grad(), torch.random.fork_rng(devices=devices):
-                expected = self.original(self.module, *clone_tensors(args), **clone_tensors(kwargs))
+                expected = reference(self.module, *clone_tensors(args), **clone_tensors(kwargs))
             expected_buffers = clone_tensors(buffers.current()) if buffers else {}
         finally:
             buffers.restore()
@@ -578,6 +612,8 @@ class Binding:
                 max_abs=mismatch.max_abs,
                 max_rel=mismatch.max_rel,
                 index=mismatch.index,
+                tested=tested_name,
+                reference=reference_name,
             )
             if policy.on_mismatch == "raise":
                 raise error

@@ -144,8 +144,9 @@ def _rebuild_unavailable(
 class KernelMismatchError(AssertionError):
     """``verify`` found that a kernel's output differs from the original forward's.
 
-    Attributes: ``module_name``, ``layer_name``, ``module_class``, ``where`` (which
-    output, e.g. ``output[0]``), ``max_abs`` and ``max_rel`` (largest absolute
+    Attributes: ``module_name``, ``layer_name``, ``module_class``, ``tested`` and
+    ``reference`` (what was compared: ``kernel`` or a variant, with the original
+    forward or a variant), ``where`` (which output, e.g. ``output[0]``), ``max_abs`` and ``max_rel`` (largest absolute
     and relative errors), ``index`` (the first mismatching element) and
     ``detail``.
     """
@@ -163,6 +164,8 @@ class KernelMismatchError(AssertionError):
         max_abs: float,
         max_rel: float,
         index: tuple[int, ...] | None,
+        tested: str = "kernel",
+        reference: str = "the original forward",
     ) -> None:
         self.module_name = module_name
         self.layer_name = layer_name
@@ -172,11 +175,13 @@ class KernelMismatchError(AssertionError):
         self.max_abs = max_abs
         self.max_rel = max_rel
         self.index = index
+        self.tested = tested
+        self.reference = reference
         module = _named(module_name)
         numbers = f"; max abs error {max_abs:.3g}, max rel error {max_rel:.3g}" if max_abs == max_abs else ""
         at = f", first mismatch at index {index}" if index is not None else ""
         super().__init__(
-            f"kernel output differs from the original forward for {module} ({module_class}, kernel layer "
+            f"{tested} output differs from {reference} for {module} ({module_class}, kernel layer "
             f"{layer_name!r}) in {where}: {detail}{numbers}{at}"
         )
 
@@ -185,7 +190,18 @@ class KernelMismatchError(AssertionError):
         return (_rebuild_mismatch, (tuple(getattr(self, name) for name in _MISMATCH_FIELDS),))
 
 
-_MISMATCH_FIELDS = ("module_name", "layer_name", "module_class", "where", "detail", "max_abs", "max_rel", "index")
+_MISMATCH_FIELDS = (
+    "module_name",
+    "layer_name",
+    "module_class",
+    "where",
+    "detail",
+    "max_abs",
+    "max_rel",
+    "index",
+    "tested",
+    "reference",
+)
 
 
 def _rebuild_mismatch(values: tuple[object, ...]) -> KernelMismatchError:

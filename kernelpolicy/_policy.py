@@ -50,10 +50,10 @@ PolicyMode = Literal["prefer", "disable", "require", "verify"]
 MODES: tuple[PolicyMode, ...] = ("prefer", "disable", "require", "verify")
 """The policy modes, in the order error messages list them."""
 OnMismatch = Literal["raise", "warn"]
-#: Keyword arguments of a policy that are options, not layer names: ``verify``'s tolerances and what a
-#: mismatch does; the exception types on which ``prefer`` runs the original when a kernel raises, and after
+#: Keyword arguments of a policy that are options, not layer names: ``verify``'s tolerances, what a
+#: mismatch does and what it compares with (``reference``: the original forward or a variant); the exception types on which ``prefer`` runs the original when a kernel raises, and after
 #: how many such failures a module stops trying its kernel.
-OPTIONS = ("atol", "rtol", "on_mismatch", "fallback_on", "max_failures")
+OPTIONS = ("atol", "rtol", "on_mismatch", "reference", "fallback_on", "max_failures")
 #: The environment variable that sets the process default (read in ``_active``).
 ENV_VAR = "KERNELPOLICY"
 
@@ -68,7 +68,9 @@ DEFAULT_VARIANT = "default"
 class PolicyOptions(NamedTuple):
     """The options of a policy.
 
-    ``verify``'s tolerances (None: by dtype; see :data:`Tolerance`) and what a mismatch does; ``fallback_on``, the exception
+    ``verify``'s tolerances (None: by dtype; see :data:`Tolerance`) and what a mismatch does;
+    ``reference``, what a kernel is compared with: ``"original"`` (what ``verify`` does without it) or a
+    variant name; under a variant entry it makes the chosen variant be compared too; ``fallback_on``, the exception
     types (names) on which ``prefer`` runs the original forward when a kernel raises (empty: the error
     propagates), and ``max_failures``, after how many of those a module stops trying its kernel (None:
     never stops).
@@ -77,6 +79,7 @@ class PolicyOptions(NamedTuple):
     atol: Tolerance = None
     rtol: Tolerance = None
     on_mismatch: OnMismatch = "raise"
+    reference: str | None = None
     fallback_on: tuple[str, ...] = ()
     max_failures: int | None = None
 
@@ -180,6 +183,14 @@ def check_options(options: Mapping[str, object]) -> dict[str, object]:
         if value not in ("raise", "warn"):
             raise PolicyError(f"on_mismatch must be 'raise' or 'warn', got {_shown(value)}")
         checked["on_mismatch"] = value
+    if "reference" in options:
+        value = options["reference"]
+        if value is not None and (not isinstance(value, str) or not value.isidentifier() or value in MODES):
+            raise PolicyError(
+                f"reference must be 'original' or a kernel variant name ({DEFAULT_VARIANT!r}: the kernel bound "
+                f"without a variant name), got {_shown(value)}"
+            )
+        checked["reference"] = value
     if "fallback_on" in options:
         checked["fallback_on"] = _check_fallback_on(options["fallback_on"])
     if "max_failures" in options:
@@ -323,12 +334,13 @@ class Policy:
 
     __module__ = "kernelpolicy"  # the public name (see kernelpolicy/__init__.py)
 
-    __slots__ = ("_hash", "_key", "_modes", "_variants")
+    __slots__ = ("_hash", "_key", "_modes", "_names_variants", "_variants")
 
     _key: _Key
     _modes: dict[str, str]
     _hash: int
     _variants: tuple[tuple[str, tuple[str, ...]], ...]  # (layer, variant names) of the variant entries
+    _names_variants: bool  # variant entries, or a reference that is a variant: scopes check they are bound
 
     def __new__(cls, default: PolicyMode = "prefer", /, **layers: Any) -> Policy:
         modes, options = split_options(layers)
@@ -348,6 +360,11 @@ class Policy:
     def variant_entries(self) -> tuple[tuple[str, tuple[str, ...]], ...]:
         """``(layer name, variant names)`` of each layer entry that names variants."""
         return self._variants
+
+    @property
+    def names_variants(self) -> bool:
+        """Whether this policy names kernel variants (layer entries, or the ``reference`` option)."""
+        return self._names_variants
 
     @property
     def options(self) -> PolicyOptions:
@@ -526,6 +543,8 @@ def _make(default: PolicyMode, layers: Mapping[str, object], options: PolicyOpti
     object.__setattr__(policy, "_hash", hash(key))
     variants = tuple((name, variant_names(entry)) for name, entry in modes.items() if entry.startswith(VARIANTS))
     object.__setattr__(policy, "_variants", variants)
+    named = options.reference not in (None, "original", DEFAULT_VARIANT)
+    object.__setattr__(policy, "_names_variants", bool(variants) or named)
     return policy
 
 

@@ -45,6 +45,7 @@ from ._active import (
     RECORDERS,
     Active,
     activate,
+    any_variant,
     ensure_env,
     known_layers,
     known_variants,
@@ -200,7 +201,7 @@ class kernel_policy:  # noqa: N801 - lowercase like numpy.errstate and decimal.l
     def __enter__(self) -> Policy:
         ensure_env()
         active = self.resolve(DEFAULTS.active._current)
-        if active.policy.variant_entries:
+        if active.policy._names_variants:
             _check_variants(active.policy, "kernel_policy")
         if POLICY_CHECKS:
             _check(active.policy)
@@ -427,7 +428,7 @@ def set_default_policy(mode: PolicyMode | Policy | None = None, /, **layers: Any
     restore = fixed is None and default is None and not checked and not options
     base = DEFAULTS.env if DEFAULTS.env is not None else BUILTIN
     new = base if restore else fixed if fixed is not None else base.overlay(default, checked, options)
-    if new.variant_entries:
+    if new.names_variants:
         _check_variants(new, "set_default_policy")
     if POLICY_CHECKS:
         _check(new)
@@ -440,6 +441,12 @@ def set_default_policy(mode: PolicyMode | Policy | None = None, /, **layers: Any
 
 def _check_variants(policy: Policy, what: str) -> None:
     """Every variant a policy names must be bound for its layer somewhere in the process (or be ``default``)."""
+    reference = policy.options.reference
+    if reference not in (None, "original", DEFAULT_VARIANT) and not any_variant(reference):
+        raise PolicyError(
+            f"{what}: reference={reference!r} names no kernel variant bound in this process; give 'original', "
+            f"{DEFAULT_VARIANT!r} or a variant bound with kernelpolicy.kernelize(model, mode=..., variant=...)"
+        )
     for layer, names in policy.variant_entries:
         bound = known_variants(layer)
         for name in names:

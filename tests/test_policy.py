@@ -111,7 +111,7 @@ def test_policies_are_hashable_and_usable_as_keys() -> None:
 def test_a_policy_holds_its_value_only() -> None:
     policy = kp.Policy("prefer", RMSNorm="disable")
     assert not hasattr(policy, "__dict__")
-    assert set(type(policy).__slots__) == {"_hash", "_key", "_modes", "_variants"}  # _variants: derived from _key
+    assert set(type(policy).__slots__) == {"_hash", "_key", "_modes", "_names_variants", "_variants"}  # derived
     assert policy.options == kp.Policy("prefer").options
     assert not hasattr(policy, "_current")  # the ContextVar reader lives on _active.Active
 
@@ -163,11 +163,11 @@ def test_a_tampered_pickle_is_checked() -> None:
     from kernelpolicy._policy import _restore
 
     with pytest.raises(kp.PolicyError, match="unknown kernel policy mode 'fast'"):
-        _restore("prefer", (("RMSNorm", "fast"),), (None, None, "raise", (), None))
+        _restore("prefer", (("RMSNorm", "fast"),), (None, None, "raise", None, (), None))
     with pytest.raises(kp.PolicyError, match="on_mismatch must be 'raise' or 'warn', got 'ignore'"):
-        _restore("prefer", (), (None, None, "ignore", (), None))
+        _restore("prefer", (), (None, None, "ignore", None, (), None))
     with pytest.raises(kp.PolicyError, match="fallback_on: 'KeyboardInterrupt' is not a built-in exception"):
-        _restore("prefer", (), (None, None, "raise", ("KeyboardInterrupt",), None))
+        _restore("prefer", (), (None, None, "raise", None, ("KeyboardInterrupt",), None))
 
 
 def test_copy_and_deepcopy_return_the_same_object() -> None:

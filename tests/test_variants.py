@@ -219,3 +219,27 @@ def test_variants_survive_rekernelizing_and_deepcopy(model: nn.Module, repos: di
         kp.kernelize(model, mode="inference", device="cpu", variant="half")  # the mapping's kernel replaces half
     with kp.kernel_policy(RMSNorm="kernel:half"):
         assert offset(model(X)) == DEFAULT
+
+
+def test_verify_compares_a_variant_with_another_or_the_original(bind: Callable[..., nn.Module]) -> None:
+    model = bind(Pair().eval(), "fast")
+    with kp.kernel_policy("verify", reference="fast"), pytest.raises(kp.KernelMismatchError) as raised:
+        model(X)  # the default kernel (+100) against the variant fast (+200)
+    assert str(raised.value).startswith(
+        "kernel output differs from variant 'fast' for module 'a' (kernelpolicy.testing.RMSNorm, kernel layer 'RMSNorm')"
+    )
+    assert (raised.value.tested, raised.value.reference) == ("kernel", "variant 'fast'")
+    with kp.kernel_policy(RMSNorm="kernel:fast", reference="original"), pytest.raises(kp.KernelMismatchError) as raised:
+        model(X)
+    assert str(raised.value).startswith("variant 'fast' output differs from the original forward for module 'a'")
+    with kp.kernel_policy(RMSNorm="kernel:default", reference="default"), kp.record_calls() as calls:
+        assert offset(model(X)) == DEFAULT  # a kernel against itself: equal
+    assert {key[3].rsplit("; ", 1)[1] for key, _ in calls.items()} == {"verified against default"}
+    with (
+        pytest.raises(kp.PolicyError, match="reference='nope' names no kernel variant bound in this process"),
+        kp.kernel_policy("verify", reference="nope"),
+    ):
+        pass
+    assert str(kp.Policy.parse("verify,reference=fast")) == "verify,reference=fast"
+    with pytest.raises(kp.PolicyError, match="reference must be 'original' or a kernel variant name"):
+        kp.Policy("verify", reference="prefer")
