@@ -243,3 +243,11 @@ def test_verify_compares_a_variant_with_another_or_the_original(bind: Callable[.
     assert str(kp.Policy.parse("verify,reference=fast")) == "verify,reference=fast"
     with pytest.raises(kp.PolicyError, match="reference must be 'original' or a kernel variant name"):
         kp.Policy("verify", reference="prefer")
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_warmup_compiles_each_variant_choice_once(model: nn.Module) -> None:
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    report = kp.warmup(compiled, X, policies=["prefer", "RMSNorm=kernel:fast", "RMSNorm=kernel: fast", "disable"])
+    assert [n for _, n in report.compiles] == [1, 1, 0, 1]  # the second spelling of fast reuses its program
+    assert "  prefer,RMSNorm=kernel:fast: 1 compiled" in str(report)
