@@ -88,20 +88,23 @@ class Active:
 
     ``modes``: each known layer's mode, or its recording twin (see
     :data:`RECORDED`) while ``record_calls()`` is active; read by eager
-    calls. ``kernel_on`` (the mode is not ``disable``) and ``required`` (it
+    calls. ``variants``: the layer's variant entry (``"kernel:a|b"``) or
+    ``""``, read under TorchDynamo by layers with variants (recording is not
+    part of it, as it is not of the two below). ``kernel_on`` (the mode is not ``disable``) and ``required`` (it
     is ``require``): read under TorchDynamo, where they are all a traced
     program depends on, so policies that spell one program differently share
     its compiled graph (see ``_dispatch``). ``policy`` is the value the
     public API returns; recording is not part of it.
     """
 
-    __slots__ = ("__weakref__", "kernel_on", "modes", "policy", "recording", "required")
+    __slots__ = ("__weakref__", "kernel_on", "modes", "policy", "recording", "required", "variants")
 
     policy: Policy
     recording: bool
     modes: _Entries
     kernel_on: _Entries
     required: _Entries
+    variants: _Entries
 
     # The scoped Active, or this object when no scope is active. Read it as
     # ``DEFAULTS.active._current`` (see the module docstring).
@@ -132,6 +135,7 @@ def _fill(active: Active, names: Iterable[str]) -> None:
         active.modes.__dict__.setdefault(name, RECORDED[entry] if active.recording else entry)
         active.kernel_on.__dict__.setdefault(name, mode != "disable")
         active.required.__dict__.setdefault(name, mode == "require")
+        active.variants.__dict__.setdefault(name, entry if entry != mode else "")
 
 
 def _new(policy: Policy, recording: bool) -> Active:
@@ -139,7 +143,7 @@ def _new(policy: Policy, recording: bool) -> Active:
     active = object.__new__(Active)
     active.policy = policy
     active.recording = recording
-    active.modes, active.kernel_on, active.required = _Entries(), _Entries(), _Entries()
+    active.modes, active.kernel_on, active.required, active.variants = _Entries(), _Entries(), _Entries(), _Entries()
     _fill(active, _KNOWN_LAYERS)
     return active
 

@@ -119,6 +119,8 @@ NO_BACKWARD: Final = (
 )
 UNVERIFIED_IN_TRANSFORM: Final = "kernel usable; not verified under a torch.func transform (runs as under prefer)"
 INELIGIBLE: Final = "kernel does not accept this call"
+#: What a ``ruled`` forward passes its slow path under TorchDynamo when the kernel is on (see ``_compiled_mode``).
+KERNEL_ON: Final = "kernel on (compiled)"
 #: The ``reference`` option's name for the original forward.
 ORIGINAL: Final = "original"
 FAILED: Final = "kernel raised; the original forward ran (the policy's fallback_on)"
@@ -425,10 +427,8 @@ class Binding:
         self, mode: str, args: tuple[Any, ...], kwargs: dict[str, Any], state: ExecutionState | None = None
     ) -> Any:
         """Every call the fast exits of the forward closure do not take."""
-        if self.variants and _is_dynamo():  # the body passed "prefer" or "require": read (and guard) the entry
-            entry = getattr(DEFAULTS.active._current.modes, self.layer_name)
-            if entry.startswith(VARIANTS):
-                mode = entry
+        if mode == KERNEL_ON:
+            mode = self._compiled_mode(args, kwargs)
         recording = mode in UNRECORDED
         if recording:
             mode = UNRECORDED[mode]
@@ -475,6 +475,21 @@ class Binding:
             )
             _raise_unavailable(self, reason)
         raise self.error(reason)
+
+    def _compiled_mode(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+        """The mode of a ``ruled`` forward's call under TorchDynamo with the kernel on, from what the program reads.
+
+        The variant entry if the layer has variants (its own table: recording is not in it), else ``prefer``
+        when the kernel runs, and ``require`` or ``prefer`` as ``active.required`` says only when it is
+        refused: so ``prefer``, ``require`` and ``verify`` share the program where the kernel runs.
+        """
+        active = DEFAULTS.active._current
+        entry: str = getattr(active.variants, self.layer_name) if self.variants else ""
+        if entry:
+            return entry
+        if self.decide("prefer", "compile", args, kwargs)[0] == "kernel":
+            return "prefer"
+        return "require" if getattr(active.required, self.layer_name) else "prefer"
 
     def _run_variant(
         self, entry: str, state: ExecutionState, args: tuple[Any, ...], kwargs: dict[str, Any], recording: bool
@@ -759,7 +774,7 @@ _BODIES: dict[str, str] = {
         active = DEFAULTS.active._current
         if _is_dynamo():
             if {kernel_on}:
-                return slow("require" if {required} else "prefer", {pack})
+                return slow(KERNEL_ON, {pack})
             return original(self, {call})
         mode = {lookup}
         if mode == "disable":

@@ -26,7 +26,6 @@ from ._active import DEFAULTS, UNRECORDED, current_policy
 from ._binding import BINDING, binding_of, kernel_modules
 from ._dispatch import LOCAL_SHARDS, NO_SHARDING, USABLE, Binding, has_dtensor
 from ._errors import KernelUnavailableError
-from ._policy import VARIANTS
 from ._rules import RULES
 from ._scope import _recording_scope
 from ._state import ExecutionState, execution_state
@@ -98,9 +97,7 @@ def will_use_kernel(module: nn.Module, *args: Any, **kwargs: Any) -> bool:
     if _is_dynamo():  # the compiled forward's read: whether the kernel is on, not the mode that spells it
         mode: str = "prefer" if getattr(active.kernel_on, binding.layer_name) else "disable"
         if binding.variants:  # and which variants: the entry (as the slow path reads it)
-            entry = getattr(active.modes, binding.layer_name)
-            mode = entry if UNRECORDED.get(entry, entry).startswith(VARIANTS) else mode
-            mode = UNRECORDED.get(mode, mode)
+            mode = getattr(active.variants, binding.layer_name) or mode
         return binding.decide(mode, "compile", args, kwargs)[0] == "kernel"
     entry = getattr(active.modes, binding.layer_name)
     return binding.decide(UNRECORDED.get(entry, entry), execution_state(), args, kwargs)[0] == "kernel"

@@ -69,6 +69,10 @@ def test_generate_follows_the_header(client: TestClient) -> None:
         "SiLU": {"original": 2 * STEPS},
         "rotary_pos_emb": {"original": 2 * STEPS},
     }
+    assert body["variants"] == {}  # the default kernel
+    alt = generate(client, "RMSNorm=kernel:alt").json()
+    assert alt["policy"] == "prefer,RMSNorm=kernel:alt" and alt["variants"] == {"alt": 5 * STEPS}
+    assert alt["calls"]["RMSNorm"] == {"kernel": 5 * STEPS}
     disabled = generate(client, "prefer,RMSNorm=disable").json()
     assert disabled["policy"] == "prefer,RMSNorm=disable"
     assert disabled["calls"]["RMSNorm"] == {"original": 5 * STEPS}
@@ -161,6 +165,12 @@ def test_load_test_mixed_policies_no_leaks(tmp_path: Path, capsys: pytest.Captur
     ratio = results["ratio_policies_to_prefer"]
     assert all(finite_positive(ratio[key]) for key in ("generations_per_s", "p50_latency", "p99_latency"))
     assert "**0** of 120" in printed and "Per-request policies / no policies" in printed
+    ab = results["ab"]  # the A/B of the two RMSNorm kernels: every other request on the variant
+    assert ab["requests"] == 40 and ab["wrong"] == [] and ab["consistent_within_arm"]
+    assert ab["arms"]["default"]["variant_calls"] == {}
+    assert ab["arms"]["alt"] == {"header": "RMSNorm=kernel:alt", "sent": 20, "variant_calls": {"alt": 20 * 5 * 4}}
+    assert ab["prompts"] == 4 and 0 <= ab["prompts_agreeing"] <= 4
+    assert "A/B of two RMSNorm kernels, 40 requests" in printed
 
 
 @pytest.mark.slow  # the load test: a server subprocess and 120 requests

@@ -131,11 +131,12 @@ def test_a_module_without_that_variant(bind: Callable[..., nn.Module]) -> None:
 def test_bad_names_are_errors_that_list_the_bound_ones(model: nn.Module) -> None:
     with pytest.raises(kp.PolicyError) as raised, kp.kernel_policy(RMSNorm="kernel:fsat"):
         pass
-    assert str(raised.value) == (
-        "kernel_policy: no kernel variant 'fsat' is bound for kernel layer 'RMSNorm' (in RMSNorm=kernel:fsat); "
-        "bound: 'fast', 'half', and 'default' (the kernel bound without a variant name). "
-        "kernelpolicy.kernelize(model, mode=..., variant='fsat') binds one"
+    message = str(raised.value)  # the bound names are the process's: other tests bind others
+    assert message.startswith(
+        "kernel_policy: no kernel variant 'fsat' is bound for kernel layer 'RMSNorm' (in RMSNorm=kernel:fsat); bound: "
     )
+    assert "'fast', 'half', and 'default' (the kernel bound without a variant name). " in message
+    assert message.endswith("kernelpolicy.kernelize(model, mode=..., variant='fsat') binds one")
     with pytest.raises(
         kp.PolicyError, match=r"unknown kernel policy mode 'fast' .*; a kernel variant is written 'kernel:fast'"
     ):

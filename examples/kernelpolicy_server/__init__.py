@@ -41,7 +41,13 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 import kernelpolicy
-from kernelpolicy.testing import kernelize_locally, rms_norm_kernel_source, tiny_llama, write_kernel_repo
+from kernelpolicy.testing import (
+    kernelize_locally,
+    local_mapping,
+    rms_norm_kernel_source,
+    tiny_llama,
+    write_kernel_repo,
+)
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable, Sequence
@@ -49,6 +55,8 @@ if TYPE_CHECKING:
     from starlette.requests import Request
 
 __all__ = [
+    "ALT_SCALE",
+    "ALT_VARIANT",
     "COMPILED_KERNEL_OFFSET",
     "HEADER",
     "MAX_INPUT_TOKENS",
@@ -57,6 +65,7 @@ __all__ = [
     "build_model",
     "create_app",
     "not_served_message",
+    "variant_calls",
 ]
 
 HEADER = "X-Kernel-Policy"
@@ -65,23 +74,43 @@ MAX_NEW_TOKENS = 32
 MAX_INPUT_TOKENS = 256
 #: Added by the compiled server's RMSNorm kernel: the kernel and the original path give other tokens.
 COMPILED_KERNEL_OFFSET = 0.5
+#: The second RMSNorm kernel, bound as the variant ``alt`` for A/B tests (header ``RMSNorm=kernel:alt``):
+#: its output is the first one's times this, so it may change a token now and then.
+ALT_VARIANT, ALT_SCALE = "alt", 1.001
 
 
 def build_model(kernel_root: Path, *, offset: float = 0.0) -> Any:
-    """A tiny Llama built from a config (no download), kernelized with a local RMSNorm kernel.
+    """A tiny Llama built from a config (no download), kernelized with two local RMSNorm kernels.
 
-    The kernel repository is written under ``kernel_root``; it declares
-    ``can_torch_compile = True``. With ``offset=0`` it is bit-exact with
-    Llama's RMSNorm, so every policy yields the same tokens.
+    The kernel repositories are written under ``kernel_root``; they declare
+    ``can_torch_compile = True``. With ``offset=0`` the first is bit-exact with
+    Llama's RMSNorm, so every policy yields the same tokens; the second, bound
+    as the variant :data:`ALT_VARIANT`, scales its output by :data:`ALT_SCALE`
+    (an A/B of two kernels: ``X-Kernel-Policy: RMSNorm=kernel:alt``).
     """
     source = rms_norm_kernel_source(can_torch_compile=True, offset=offset)
     repo = write_kernel_repo(kernel_root, source, name="server-rmsnorm")
+    alt_source = rms_norm_kernel_source(can_torch_compile=True, offset=offset, scale=ALT_SCALE)
+    alt = write_kernel_repo(kernel_root.with_name(kernel_root.name + "-alt"), alt_source, name="server-rmsnorm-alt")
     model = tiny_llama(seed=0)
     # Greedy, and exactly max_new_tokens: no end-of-sequence token stops generation early.
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     model.generation_config.do_sample = False
-    return kernelize_locally(model, {"RMSNorm": repo})
+    kernelize_locally(model, {"RMSNorm": repo})
+    with local_mapping({"RMSNorm": alt}, inherit=False):
+        kernelpolicy.kernelize(model, mode="inference", device="cpu", variant=ALT_VARIANT)
+    return model
+
+
+def variant_calls(calls: kernelpolicy.CallCounts) -> dict[str, int]:
+    """Recorded calls per kernel variant that ran them (the calls' reason names it: "variant 'alt' (...)")."""
+    counts: dict[str, int] = {}
+    for (_, _, path, reason, _), n in calls.items():
+        if path == "kernel" and reason.startswith("variant '"):
+            name = reason.split("'")[1]
+            counts[name] = counts.get(name, 0) + n
+    return counts
 
 
 class _CountingBackend:
@@ -181,7 +210,7 @@ async def generate(request: Request) -> JSONResponse:
             tokens, seen = await loop.run_in_executor(state.executor, work)
         except kernelpolicy.KernelUnavailableError as exc:  # e.g. "require" where a layer has no kernel
             return _error(str(exc), 422, policy=str(policy), calls=calls.by_layer())
-    return JSONResponse({"tokens": tokens, "policy": seen, "calls": calls.by_layer()})
+    return JSONResponse({"tokens": tokens, "policy": seen, "calls": calls.by_layer(), "variants": variant_calls(calls)})
 
 
 async def healthz(request: Request) -> JSONResponse:

@@ -27,6 +27,12 @@ one async httpx client:
   is sent in two halves, in the order policies, prefer, prefer, policies, so
   that warm-up and drift of a shared machine fall on both. Every response is
   checked as in the mixed phase.
+- **ab** (eager server only): an A/B of the server's two RMSNorm kernels, every
+  other request with ``RMSNorm=kernel:alt`` (the variant ``alt``) and the
+  others without a header (the default kernel). Each response must report
+  the calls its arm's kernel made (``variants``: none, or ``alt`` for every
+  RMSNorm call), one token sequence per prompt and arm; the report gives the
+  calls per variant and on how many prompts the two arms' tokens agree.
 
 With ``--compile`` [``--compile-backend eager``] the server is the compiled
 one (``--compile`` and one ``--policy`` per valid header above: five allowed
@@ -68,7 +74,7 @@ import httpx
 
 from kernelpolicy import Policy, PolicyError
 
-from . import not_served_message
+from . import ALT_VARIANT, not_served_message
 
 __all__ = ["ALLOWED", "CASES", "COMPILED_CASES", "Case", "Setup", "main", "run_loadtest"]
 
@@ -113,6 +119,8 @@ CASES: tuple[Case, ...] = (
     Case(None, 400, body=b"[" * 5000 + b"]" * 5000, label="(JSON body nested 5,000 deep)"),
     Case(None, 400, body=b'{"input_ids": [1, 2], "max_new_tokens": "3"}', label="(max_new_tokens a string)"),
 )
+#: The A/B arm of the variant kernel (the other arm is PREFER: the default kernel).
+ALT = Case(f"RMSNorm=kernel:{ALT_VARIANT}", 200, f"prefer,RMSNorm=kernel:{ALT_VARIANT}", "kernel")
 #: The compiled server's allowlist: the policies of the generating cases (the default is always served).
 ALLOWED: tuple[Policy, ...] = tuple(Policy.parse(c.header or "prefer") for c in CASES if c.status == 200)
 COMPILED_CASES: tuple[Case, ...] = (
@@ -244,6 +252,31 @@ def tokens_follow_the_path(results: list[Result], setup: Setup) -> tuple[bool, i
         else:
             ok = ok and len(set(sequences)) == 1
     return ok, len(seen)
+
+
+def ab_report(results: list[Result], steps: int) -> dict[str, Any]:
+    """The A/B phase: each arm's calls per variant, wrong responses, and on how many prompts the arms agree."""
+    arms = {"default": PREFER, ALT_VARIANT: ALT}
+    report: dict[str, Any] = {"requests": len(results), "arms": {}, "wrong": [], "consistent_within_arm": True}
+    sequences: dict[str, dict[int, set[tuple[int, ...]]]] = {name: {} for name in arms}
+    for name, case in arms.items():
+        rows = [r for r in results if r.case is case]
+        expected = {} if case is PREFER else {ALT_VARIANT: 5 * steps}  # 5 RMSNorm calls per forward
+        calls: dict[str, int] = {}
+        for r in rows:
+            body = r.body if isinstance(r.body, dict) else {}
+            if r.status != 200 or body.get("policy") != case.policy or body.get("variants") != expected:
+                report["wrong"].append(f"{name}: {r.status} {str(r.body)[:300]}")
+                continue
+            for variant, n in body["variants"].items():
+                calls[variant] = calls.get(variant, 0) + n
+            sequences[name].setdefault(r.prompt, set()).add(tuple(body["tokens"]))
+        report["arms"][name] = {"header": case.header, "sent": len(rows), "variant_calls": calls}
+    prompts = sorted(set(sequences["default"]) & set(sequences[ALT_VARIANT]))
+    report["consistent_within_arm"] = all(len(seen) == 1 for arm in sequences.values() for seen in arm.values())
+    report["prompts"] = len(prompts)
+    report["prompts_agreeing"] = sum(1 for p in prompts if sequences["default"][p] == sequences[ALT_VARIANT][p])
+    return report
 
 
 def _free_port() -> int:
@@ -434,6 +467,10 @@ async def _run(
                 results, wall = await _send_all(client, plan, prompts, steps, concurrency)
                 sent[name] += results
                 walls[name] += wall
+            ab_results: list[Result] = []
+            if not setup.compiled:  # the A/B: every other request on the variant kernel
+                ab_plan = [(ALT if i % 2 else PREFER, i // 2 % len(prompts)) for i in range(requests)]
+                ab_results, _ = await _send_all(client, ab_plan, prompts, steps, concurrency)
             compiled = (await client.get("/healthz")).json().get("compiled")
     finally:
         exit_code = [stop_server(s) for s in started][-1] if started else None
@@ -508,6 +545,7 @@ async def _run(
             and "Traceback" not in log_text,
         },
         "cases": per_case,
+        "ab": ab_report(ab_results, steps) if not setup.compiled else None,
     }
 
 
@@ -523,6 +561,7 @@ def passed(results: dict[str, Any]) -> bool:
         and c["tokens_follow_the_path"]
         and c["compiles_after_warmup"] in (None, 0)
         and c["server_shutdown_clean"]
+        and (results["ab"] is None or (not results["ab"]["wrong"] and results["ab"]["consistent_within_arm"]))
     )
 
 
@@ -612,6 +651,19 @@ def markdown(results: dict[str, Any]) -> str:
         lines.append(
             f"| {header} | {case['expected_status']} | {case['sent']} | {case['matched']} | {case['p50_ms']} |"
         )
+    ab = results.get("ab")
+    if ab:
+        arms = "; ".join(
+            f"{name} (`{arm['header'] or 'no header'}`): {arm['sent']} requests, calls per variant "
+            f"{arm['variant_calls'] or '{} (the default kernel)'}"
+            for name, arm in ab["arms"].items()
+        )
+        lines += [
+            "",
+            f"A/B of two RMSNorm kernels, {ab['requests']} requests: {arms}. Wrong responses: **{len(ab['wrong'])}**; "
+            f"one token sequence per prompt and arm: {'yes' if ab['consistent_within_arm'] else 'NO'}; the arms' "
+            f"tokens agree on {ab['prompts_agreeing']} of {ab['prompts']} prompts.",
+        ]
     for example in checks["leak_examples"]:
         lines.append(f"\nleak: {example}")
     return "\n".join(lines)
