@@ -105,3 +105,21 @@ def three_kernel_layers() -> nn.Sequential:
         layer.forward = types.MethodType(kernel_class.forward, layer)  # as kernels binds
         layers.append(layer)
     return kp.attach(nn.Sequential(*layers))
+
+
+class NormPair(nn.Module):
+    """Two RMSNorm(16) layers (Llama's, kernel layer ``RMSNorm``) applied to the input, summed: ``a(x) + b(x)``.
+
+    Each norm sees the input itself, so each one's path shows in the output (an offset kernel is not
+    normalized away by a norm after it) and a refusal in ``a`` leaves ``b`` unreached when it raises.
+    """
+
+    def __init__(self) -> None:
+        from kernelpolicy.testing import RMSNorm
+
+        super().__init__()
+        self.a, self.b = RMSNorm(16), RMSNorm(16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.a(x) + self.b(x)
+        return out

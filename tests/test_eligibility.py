@@ -12,12 +12,11 @@ from typing import Any
 
 import pytest
 import torch
-from _helpers import CountingBackend, graph_breaks, kernel_ran
+from _helpers import CountingBackend, NormPair, graph_breaks, kernel_ran
 from torch import nn
 from torch._dynamo.utils import counters
 
 import kernelpolicy as kp
-from kernelpolicy.testing import RMSNorm
 
 F32 = torch.ones(2, 16)
 BF16 = torch.ones(2, 16, dtype=torch.bfloat16)
@@ -33,19 +32,9 @@ def _no_rule() -> Iterator[None]:
     kp.kernel_accepts("RMSNorm")
 
 
-class Pair(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b = RMSNorm(16), RMSNorm(16)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.a(x) + self.b(x)
-        return out
-
-
 @pytest.fixture
 def norms(mapping: Callable[[str], Any]) -> nn.Module:
-    model = Pair().eval()
+    model = NormPair().eval()
     with mapping("traceable"):
         kp.kernelize(model, mode="inference", device="cpu")
     return model

@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from _helpers import CountingBackend, graph_breaks
+from _helpers import CountingBackend, NormPair, graph_breaks
 from torch import nn
 from torch._dynamo.utils import counters
 
 import kernelpolicy as kp
-from kernelpolicy.testing import RMSNorm, kernelize_locally, local_mapping, rms_norm_kernel_source, write_kernel_repo
+from kernelpolicy.testing import kernelize_locally, local_mapping, rms_norm_kernel_source, write_kernel_repo
 
 X = torch.ones(2, 16)
 BF16 = torch.ones(2, 16, dtype=torch.bfloat16)
@@ -30,16 +30,6 @@ ORIGINAL, DEFAULT, FAST, HALF = 0, 100, 200, 300
 
 def offset(out: torch.Tensor) -> int:
     return round((out.float().mean().item() - 2) / 2)
-
-
-class Pair(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b = RMSNorm(16), RMSNorm(16)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.a(x) + self.b(x)
-        return out
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +57,7 @@ def bind(repos: dict[str, Path]) -> Callable[..., nn.Module]:
 
 @pytest.fixture
 def model(bind: Callable[..., nn.Module]) -> nn.Module:
-    return bind(Pair().eval(), "fast", "half")
+    return bind(NormPair().eval(), "fast", "half")
 
 
 @pytest.fixture(autouse=True)
@@ -113,7 +103,7 @@ def test_the_first_variant_that_accepts_the_call_runs(model: nn.Module) -> None:
 
 
 def test_a_module_without_that_variant(bind: Callable[..., nn.Module]) -> None:
-    model = Pair().eval()
+    model = NormPair().eval()
     bind(model)
     bind(model.a, "fast")  # only the first norm has the variant
 
@@ -146,7 +136,7 @@ def test_bad_names_are_errors_that_list_the_bound_ones(model: nn.Module) -> None
     with pytest.raises(kp.PolicyError, match="variant 'fast' named twice"):
         kp.Policy.parse("RMSNorm=kernel:fast|fast")
     with pytest.raises(kp.PolicyError, match=r"kernelize\(variant=\.\.\.\) takes an identifier other than the modes"):
-        kp.kernelize(Pair(), mode="inference", variant="default")
+        kp.kernelize(NormPair(), mode="inference", variant="default")
     with pytest.raises(kp.PolicyError, match="no kernel variant 'nope'"):
         kp.set_default_policy(RMSNorm="kernel:nope")
 
@@ -223,7 +213,7 @@ def test_variants_survive_rekernelizing_and_deepcopy(model: nn.Module, repos: di
 
 
 def test_verify_compares_a_variant_with_another_or_the_original(bind: Callable[..., nn.Module]) -> None:
-    model = bind(Pair().eval(), "fast")
+    model = bind(NormPair().eval(), "fast")
     with kp.kernel_policy("verify", reference="fast"), pytest.raises(kp.KernelMismatchError) as raised:
         model(X)  # the default kernel (+100) against the variant fast (+200)
     assert str(raised.value).startswith(
