@@ -6,6 +6,7 @@ The kernel adds 100 to its output, so every output shows which path it took. The
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -134,6 +135,28 @@ def test_threads_each_get_their_calls_path(norms: nn.Module) -> None:
     for thread in threads:
         thread.join()
     assert failures == []
+
+
+def test_asyncio_tasks_each_get_their_calls_path(norms: nn.Module) -> None:
+    kp.kernel_accepts("RMSNorm", dtypes=[torch.bfloat16])
+    wrong: list[str] = []
+
+    async def task(x: torch.Tensor, kernel: bool, mode: str) -> None:
+        with kp.kernel_policy(mode):
+            for _ in range(20):
+                await asyncio.sleep(0)  # interleave with the other tasks
+                try:
+                    if kernel_ran(norms(x).float()) is not kernel:
+                        wrong.append(f"{mode} {x.dtype}")
+                except kp.KernelUnavailableError:
+                    if mode != "require" or kernel:
+                        wrong.append(f"{mode} {x.dtype} raised")
+
+    async def main() -> None:
+        await asyncio.gather(task(F32, False, "prefer"), task(BF16, True, "require"), task(F32, False, "require"))
+
+    asyncio.run(main())
+    assert wrong == []
 
 
 def test_explain_shows_the_rule_and_what_example_inputs_get(norms: nn.Module) -> None:
