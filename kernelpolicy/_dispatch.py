@@ -86,7 +86,7 @@ from ._active import DEFAULTS, RECOMPUTED_WITH_GRAD, RECORDERS, UNRECORDED, regi
 from ._compat import DYNAMO_DISABLE_MARK
 from ._errors import KernelMismatchError, KernelUnavailableError, OriginalUnavailableError, unavailable_message
 from ._policy import DEFAULT_VARIANT, VARIANTS, variant_names
-from ._rules import RULES, VARIANT_RULES, parameter_names
+from ._rules import RULES, VARIANT_RULES, KernelRule, parameter_names
 from ._verify import tensors_in
 
 if TYPE_CHECKING:
@@ -359,12 +359,11 @@ class Binding:
                 state=state,
                 needs_backward=not kernel.has_backward and autograd_records(self.module, args, kwargs),
             )
-            if path == "kernel" and (self.stopped is not None or args or kwargs):
-                refused = self.blocked(self.module, args, kwargs or {})
-                rule = VARIANT_RULES.get((self.layer_name, name))
-                if refused is None and rule is not None:
-                    why = rule.reject(self.module, args, kwargs or {}, self.parameters)
-                    refused = None if why is None else f"{INELIGIBLE}: {why}"
+            if path == "kernel" and name == DEFAULT_VARIANT and self.stopped is not None:
+                path, reason = "original", self.stopped  # the failures counted are the default kernel's
+            elif path == "kernel" and (args or kwargs):
+                layer_rule, own_rule = RULES.get(self.layer_name), VARIANT_RULES.get((self.layer_name, name))
+                refused = self._asked(layer_rule, args, kwargs or {}) or self._asked(own_rule, args, kwargs or {})
                 if refused is not None:
                     path, reason = "original", refused
             if path == "kernel":
@@ -378,13 +377,14 @@ class Binding:
         return NO_KERNEL if self.kernel is None else self.blocked(module, args, kwargs)
 
     def blocked(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
-        """Why no kernel of this module may run this call: stopped after failures, or refused by the layer's rule."""
+        """Why the kernel may not run this call: stopped after failures, or refused by the layer's rule."""
         if self.stopped is not None:
             return self.stopped
-        rule = RULES.get(self.layer_name)
-        if rule is None:
-            return None
-        why = rule.reject(module, args, kwargs, self.parameters)
+        return self._asked(RULES.get(self.layer_name), args, kwargs)
+
+    def _asked(self, rule: KernelRule | None, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+        """Why ``rule`` refuses this call, as a reason; None without a rule or if it accepts."""
+        why = None if rule is None else rule.reject(self.module, args, kwargs, self.parameters)
         return None if why is None else f"{INELIGIBLE}: {why}"
 
     def failed(

@@ -114,3 +114,16 @@ def test_the_options_in_text_and_as_values() -> None:
 def test_bad_options_name_the_value(options: dict[str, object], message: str) -> None:
     with pytest.raises(kp.PolicyError, match=message):
         kp.kernel_policy("prefer", **options)
+
+
+def test_a_stopped_kernel_leaves_the_variants_running(model: nn.Module, tmp_path: Path) -> None:
+    from kernelpolicy.testing import local_mapping, rms_norm_kernel_source
+
+    fast = write_kernel_repo(tmp_path / "fast", rms_norm_kernel_source(offset=200.0), name="fast-rmsnorm")
+    with local_mapping({"RMSNorm": fast}, inherit=False):
+        kp.kernelize(model, mode="inference", device="cpu", variant="fast")
+    with kp.kernel_policy("prefer", fallback_on=RuntimeError, max_failures=1):
+        model(BAD)  # the default kernel fails once: stopped
+    with kp.kernel_policy(RMSNorm="kernel:default|fast"):
+        assert model(GOOD).mean().item() > 150  # the stopped default is skipped, fast runs
+        assert kp.explain(model).rows[0].reason.startswith("variant 'fast'")
