@@ -187,7 +187,7 @@ def _transformers_integration() -> str:
         return f"{_version('transformers')}, has no hub-kernel integration"
     versions = f"transformers {_version('transformers')} with kernels {_version('kernels')}"
     if available():
-        return f"hub kernels on ({versions}; use_kernels=True, then kernelpolicy.attach(model))"
+        return f"hub kernels on ({versions}; kernelpolicy.auto_attach() before use_kernels=True, or attach(model) after)"
     bounds = {
         name: parameter.default
         for name, parameter in inspect.signature(available).parameters.items()
@@ -207,6 +207,35 @@ def _transformers_integration() -> str:
         f"kernelpolicy supports kernels >= {SUPPORTED['kernels'][0]}, < {SUPPORTED['kernels'][1]} "
         "(docs/transformers.md lists the transformers releases tested)"
     )
+
+
+def _persistence() -> tuple[bool, str]:
+    """Whether the compile caches that are on follow each caller's policy, and which are on.
+
+    Read with ``getattr``: these are configuration flags, absent from some torch releases (then off). See
+    docs/compile.md, "Persisted artifacts".
+    """
+    import torch._dynamo.config
+    import torch._functorch.config
+    import torch._inductor.config
+
+    precompile = bool(getattr(torch._dynamo.config, "caching_precompile", False))
+    caches = [
+        name
+        for name, on in (
+            ("FX graph cache", getattr(torch._inductor.config, "fx_graph_cache", False)),
+            ("AOTAutograd cache", getattr(torch._functorch.config, "enable_autograd_cache", False)),
+        )
+        if on
+    ]
+    followed = f"{' and '.join(caches)} on (they follow the caller's policy)" if caches else "no graph cache on"
+    if precompile:
+        return False, (
+            "Dynamo caching precompile is ON (TORCH_CACHING_PRECOMPILE): a package it loads may run another path "
+            "than the caller's policy asks; turn it off where policies change (docs/compile.md#persisted-artifacts); "
+            + followed
+        )
+    return True, f"caching precompile off; {followed}"
 
 
 def doctor() -> DoctorReport:
@@ -272,6 +301,7 @@ def doctor() -> DoctorReport:
         ("follows the policy of each call", seen == expected, f"outputs {seen}, expected {expected}"),
         ("one compile per distinct policy", compiles[0] == 2, f"{compiles[0]} compiles for 2 policies"),
         ("no graph breaks", breaks == 0, f"{breaks} graph breaks"),
+        ("persisted compile artifacts follow the policy", *_persistence()),
     )
     torch.compiler.reset()
     return DoctorReport(

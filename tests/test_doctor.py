@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from typing import TYPE_CHECKING
 
+import pytest
 import torch
 
 from kernelpolicy._doctor import doctor
-
-if TYPE_CHECKING:
-    import pytest
 
 
 def test_doctor_passes_on_this_torch() -> None:
@@ -57,3 +54,16 @@ def test_doctor_says_when_transformers_runs_no_hub_kernels(monkeypatch: pytest.M
     line = _transformers_integration()
     assert line.startswith("hub kernels OFF: transformers ") and "only with kernels >= 0.18.0, < 0.19.0" in line
     assert "use_kernels=True silently does nothing" in line
+
+
+def test_doctor_names_a_compile_cache_that_ignores_the_policy(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch._dynamo.config
+
+    check = next(c for c in doctor().checks if c[0] == "persisted compile artifacts follow the policy")
+    assert check[1] and check[2].startswith("caching precompile off; ")
+    if not hasattr(torch._dynamo.config, "caching_precompile"):
+        pytest.skip(f"torch {torch.__version__} has no caching precompile")
+    monkeypatch.setattr(torch._dynamo.config, "caching_precompile", True)
+    report = doctor()
+    check = next(c for c in report.checks if c[0] == "persisted compile artifacts follow the policy")
+    assert not check[1] and "caching precompile is ON" in check[2] and not report.ok
