@@ -187,7 +187,9 @@ def _transformers_integration() -> str:
         return f"{_version('transformers')}, has no hub-kernel integration"
     versions = f"transformers {_version('transformers')} with kernels {_version('kernels')}"
     if available():
-        return f"hub kernels on ({versions}; kernelpolicy.auto_attach() before use_kernels=True, or attach(model) after)"
+        return (
+            f"hub kernels on ({versions}; kernelpolicy.auto_attach() before use_kernels=True, or attach(model) after)"
+        )
     bounds = {
         name: parameter.default
         for name, parameter in inspect.signature(available).parameters.items()
