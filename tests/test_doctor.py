@@ -56,14 +56,16 @@ def test_doctor_says_when_transformers_runs_no_hub_kernels(monkeypatch: pytest.M
     assert "use_kernels=True silently does nothing" in line
 
 
-def test_doctor_names_a_compile_cache_that_ignores_the_policy(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_doctor_names_a_compile_cache_that_ignores_the_policy() -> None:
     import torch._dynamo.config
 
     check = next(c for c in doctor().checks if c[0] == "persisted compile artifacts follow the policy")
     assert check[1] and check[2].startswith("caching precompile off; ")
     if not hasattr(torch._dynamo.config, "caching_precompile"):
         pytest.skip(f"torch {torch.__version__} has no caching precompile")
-    monkeypatch.setattr(torch._dynamo.config, "caching_precompile", True)
-    report = doctor()
+    # torch's own patch: pytest's monkeypatch deletes a config entry on undo (a ConfigModule is no plain module)
+    with torch._dynamo.config.patch(caching_precompile=True):
+        report = doctor()
     check = next(c for c in report.checks if c[0] == "persisted compile artifacts follow the policy")
     assert not check[1] and "caching precompile is ON" in check[2] and not report.ok
+    assert torch._dynamo.config.caching_precompile is False  # restored
