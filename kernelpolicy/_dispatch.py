@@ -85,7 +85,7 @@ from . import _state
 from ._active import DEFAULTS, RECOMPUTED_WITH_GRAD, RECORDERS, UNRECORDED, register_layer_name
 from ._compat import DYNAMO_DISABLE_MARK
 from ._errors import KernelMismatchError, KernelUnavailableError, OriginalUnavailableError, unavailable_message
-from ._policy import DEFAULT_VARIANT, VARIANTS, variant_names
+from ._policy import DEFAULT_VARIANT, VARIANTS, exception_types, variant_names
 from ._rules import RULES, VARIANT_RULES, KernelRule, parameter_names
 from ._verify import tensors_in
 
@@ -396,8 +396,6 @@ class Binding:
         is rebuilt to ask :meth:`refused` first) until :func:`kernelpolicy.reset_failures`. An error the
         policy does not name propagates, recorded as the kernel's.
         """
-        from ._policy import exception_types
-
         policy = DEFAULTS.active._current.policy
         if not isinstance(error, exception_types(policy.fallback_on)):
             self._record(recorders, "kernel", USABLE, error)
