@@ -115,7 +115,10 @@ CASES: tuple[Case, ...] = (
     Case("require", 422),  # SiLU and rotary_pos_emb have no kernel: KernelUnavailableError
     Case("RMSNorm=fast", 400),
     Case("disable,SiLU=fast", 400),
-    Case("RMSNorm=fast" + "x" * 64_000, 400, label="(64 KB malformed header)"),  # uvicorn itself refuses 100 KB
+    # 12 KB: under h11's 16 KiB limit on a request head that arrives in pieces (uvicorn's HTTP layer answers
+    # "Invalid HTTP request received." over it, whenever TCP splits the head), far over the 1,000 characters
+    # a 400 message may echo.
+    Case("RMSNorm=fast" + "x" * 12_000, 400, label="(12 KB malformed header)"),
     Case(None, 400, body=b"[" * 5000 + b"]" * 5000, label="(JSON body nested 5,000 deep)"),
     Case(None, 400, body=b'{"input_ids": [1, 2], "max_new_tokens": "3"}', label="(max_new_tokens a string)"),
 )
