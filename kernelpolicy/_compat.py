@@ -182,6 +182,12 @@ GRAPH_BREAK = Internal(
 #: sets it); ``_dispatch`` sets it on the function that raises ``require``'s error under compile.
 #: ``tests/test_tracing.py`` (require, fullgraph=False) fails if Dynamo stops honouring it.
 DYNAMO_DISABLE_MARK = "_torchdynamo_disable"
+#: Likewise: the mark ``torch._dynamo.assume_constant_result`` sets (Dynamo calls such a function at trace
+#: time and folds its result in without a guard); ``_persisted`` sets it on its trace-time predicates.
+DYNAMO_CONSTANT_MARK = "_dynamo_marked_constant"
+#: ``torch._dynamo.config``'s switch of caching precompile, read by ``_persisted`` (a torch without it has
+#: no caching precompile, so a missing name is no fault and not in :data:`INTERNALS`).
+CACHING_PRECOMPILE = "caching_precompile"
 DYNAMO_COUNTERS = Internal("doctor and tests count graph breaks", ("torch._dynamo.utils.counters",))
 FUNCTORCH_STACK = Internal(
     "verify: whether a torch.func transform (vmap, grad, ...) runs the call",

@@ -85,6 +85,7 @@ from . import _state
 from ._active import DEFAULTS, RECOMPUTED_WITH_GRAD, RECORDERS, UNRECORDED, register_layer_name
 from ._compat import DYNAMO_DISABLE_MARK
 from ._errors import KernelMismatchError, KernelUnavailableError, OriginalUnavailableError, unavailable_message
+from ._persisted import checked, persisting  # noqa: F401 - read by the generated forwards
 from ._policy import DEFAULT_VARIANT, VARIANTS, exception_types, variant_names
 from ._rules import RULES, VARIANT_RULES, KernelRule, parameter_names
 from ._verify import tensors_in
@@ -719,9 +720,8 @@ _BODIES: dict[str, str] = {
     "without_kernel": """
         active = DEFAULTS.active._current
         if _is_dynamo():
-            if {required}:
-                return slow("require", {pack})
-            return original(self, {call})
+            out = slow("require", {pack}) if {required} else original(self, {call})
+            return checked(out, active, {name}, "r") if persisting() else out
         mode = {lookup}
         if mode == "prefer" or mode == "disable":
             return original(self, {call})
@@ -729,9 +729,8 @@ _BODIES: dict[str, str] = {
     "always_usable": """
         active = DEFAULTS.active._current
         if _is_dynamo():
-            if {kernel_on}:
-                return kernel(self, {call})
-            return original(self, {call})
+            out = kernel(self, {call}) if {kernel_on} else original(self, {call})
+            return checked(out, active, {name}, "k") if persisting() else out
         mode = {lookup}
         if mode == "prefer" or mode == "require":
             try:
@@ -749,10 +748,12 @@ _BODIES: dict[str, str] = {
         active = DEFAULTS.active._current
         if _is_dynamo():
             if traceable and {kernel_on}:
-                return slow("require" if {required} else "prefer", {pack})
-            if not traceable and {required}:
-                return slow("require", {pack})
-            return original(self, {call})
+                out = slow("require" if {required} else "prefer", {pack})
+            elif not traceable and {required}:
+                out = slow("require", {pack})
+            else:
+                out = original(self, {call})
+            return checked(out, active, {name}, "kr") if persisting() else out
         mode = {lookup}
         if mode == "disable":
             return original(self, {call})
@@ -771,9 +772,8 @@ _BODIES: dict[str, str] = {
     "ruled": """
         active = DEFAULTS.active._current
         if _is_dynamo():
-            if {kernel_on}:
-                return slow(KERNEL_ON, {pack})
-            return original(self, {call})
+            out = slow(KERNEL_ON, {pack}) if {kernel_on} else original(self, {call})
+            return checked(out, active, {name}, "krv") if persisting() else out
         mode = {lookup}
         if mode == "disable":
             return original(self, {call})
@@ -805,7 +805,7 @@ def _parameters(function: Callable[..., Any]) -> tuple[str, str, str]:
         params = list(inspect.signature(function, follow_wrapped=False).parameters.values())[1:]
     except (TypeError, ValueError):
         return star
-    reserved = {*_CELLS.replace(" ", "").split(","), *globals(), "self", "active", "mode", "args", "kwargs"}
+    reserved = {*_CELLS.replace(" ", "").split(","), *globals(), "self", "active", "mode", "out", "args", "kwargs"}
     for param in params:
         if (
             param.default is not param.empty
@@ -839,9 +839,8 @@ def forward_source(variant: str, function: Callable[..., Any], layer_name: str) 
         def forward(self, x):
             active = DEFAULTS.active._current
             if _is_dynamo():
-                if active.required.Double:
-                    return slow("require", (x, ), {})
-                return original(self, x)
+                out = slow("require", (x, ), {}) if active.required.Double else original(self, x)
+                return checked(out, active, 'Double', "r") if persisting() else out
             mode = active.modes.Double
             if mode == "prefer" or mode == "disable":
                 return original(self, x)
@@ -862,6 +861,7 @@ def forward_source(variant: str, function: Callable[..., Any], layer_name: str) 
         lookup=entry("modes"),
         kernel_on=entry("kernel_on"),
         required=entry("required"),
+        name=repr(layer_name),
     )
     return f"def make({_CELLS}):\n    def forward(self, {params}):{body}\n    return forward\n"
 

@@ -212,7 +212,7 @@ def _transformers_integration() -> str:
 
 
 def _persistence() -> tuple[bool, str]:
-    """Whether the compile caches that are on follow each caller's policy, and which are on.
+    """Whether the compile caches that are on follow each caller's policy (or refuse it), and which are on.
 
     Read with ``getattr``: these are configuration flags, absent from some torch releases (then off). See
     docs/compile.md, "Persisted artifacts".
@@ -232,10 +232,10 @@ def _persistence() -> tuple[bool, str]:
     ]
     followed = f"{' and '.join(caches)} on (they follow the caller's policy)" if caches else "no graph cache on"
     if precompile:
-        return False, (
-            "Dynamo caching precompile is ON (TORCH_CACHING_PRECOMPILE): a package it loads may run another path "
-            "than the caller's policy asks; turn it off where policies change (docs/compile.md#persisted-artifacts); "
-            + followed
+        return True, (
+            "Dynamo caching precompile is ON (TORCH_CACHING_PRECOMPILE): the programs it saves carry the policy "
+            "they were traced under and refuse a caller whose policy takes another path (ArtifactPolicyError); "
+            "compile under each policy you serve before saving (docs/compile.md#persisted-artifacts); " + followed
         )
     return True, f"caching precompile off; {followed}"
 
@@ -304,7 +304,7 @@ def doctor() -> DoctorReport:
         ("follows the policy of each call", seen == expected, f"outputs {seen}, expected {expected}"),
         ("one compile per distinct policy", compiles[0] == 2, f"{compiles[0]} compiles for 2 policies"),
         ("no graph breaks", breaks == 0, f"{breaks} graph breaks"),
-        ("persisted compile artifacts follow the policy", *_persistence()),
+        ("persisted compile artifacts follow the policy or refuse it", *_persistence()),
     )
     torch.compiler.reset()
     return DoctorReport(

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     import types
 
 __all__ = [
+    "ArtifactPolicyError",
     "KernelMismatchError",
     "KernelUnavailableError",
     "OriginalUnavailableError",
@@ -73,6 +74,12 @@ class PolicyMismatchError(RuntimeError):
     """The ranks of a process group disagree on the policy or on a layer's path (raised on every rank)."""
 
     __module__ = "kernelpolicy.distributed"
+
+
+class ArtifactPolicyError(RuntimeError):
+    """A persisted compiled program was called under a policy that would take another path than its trace."""
+
+    __module__ = "kernelpolicy.artifacts"
 
 
 class KernelUnavailableError(RuntimeError):

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ._active import current_policy
+from ._errors import ArtifactPolicyError
 from ._policy import Policy
 from ._scope import kernel_policy
 
@@ -42,7 +43,14 @@ if TYPE_CHECKING:
 
     from torch import nn
 
-__all__ = ["MANIFEST", "NoProgramError", "PolicyPrograms", "export_per_policy", "load_per_policy"]
+__all__ = [
+    "MANIFEST",
+    "ArtifactPolicyError",
+    "NoProgramError",
+    "PolicyPrograms",
+    "export_per_policy",
+    "load_per_policy",
+]
 
 #: The manifest :func:`export_per_policy` writes beside the programs.
 MANIFEST = "kernelpolicy-programs.json"

@@ -12,6 +12,7 @@ import sys
 import textwrap
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -89,3 +90,150 @@ def test_in_process_programs_dispatch_and_refuse(model: DemoModel) -> None:
 def test_loading_a_folder_without_a_manifest_says_what_to_do(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match=r"has no kernelpolicy-programs\.json; save programs with"):
         load_per_policy(tmp_path)
+
+
+# --- compiled programs persisted by torch: aot_compile and caching precompile -------------------------------
+# A persisted program keeps the path of its trace and carries a check of the policy it was traced under
+# (kernelpolicy._persisted): called under a policy on which a layer would take another path, it raises
+# ArtifactPolicyError naming both policies. Each test compiles in one process and calls in a second one.
+
+POLICIES = ("prefer", "disable", "prefer,RMSNorm=disable", "require")
+
+PERSISTED = """
+import json, sys
+from pathlib import Path
+import torch
+import kernelpolicy as kp
+from kernelpolicy.artifacts import ArtifactPolicyError
+from kernelpolicy.testing import DemoModel, kernelize_locally
+
+role, repo, folder = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
+POLICIES = {policies!r}
+torch.manual_seed(0)
+model = kernelize_locally(DemoModel(16).eval(), {{"RMSNorm": repo}})
+x = torch.randn(2, 16, generator=torch.Generator().manual_seed(0))
+seen = {{}}
+
+
+def each(call, tag):
+    for text in POLICIES:
+        with kp.kernel_policy(kp.Policy.parse(text)):
+            try:
+                seen[f"{{tag}} {{text}}"] = round(call().mean().item(), 3)
+            except ArtifactPolicyError as error:
+                seen[f"{{tag}} {{text}}"] = str(error)
+
+{body}
+print(json.dumps(seen))
+"""
+
+AOT_COMPILE = """
+def f(m, x):
+    return m(x)
+
+
+if role == "compile":
+    for text in POLICIES:
+        with kp.kernel_policy(kp.Policy.parse(text)):
+            seen[f"eager {{text}}"] = round(model(x).mean().item(), 3)
+    for traced in ("prefer", "disable"):
+        with kp.kernel_policy(traced):
+            program = torch.compile(f, fullgraph=True).aot_compile(((model, x), {{}}))
+        program.save_compiled_function(str(folder / f"{{traced}}.bin"))
+        each(lambda: program(model, x), f"compiling {{traced}}")
+else:
+    for traced in ("prefer", "disable"):
+        with open(folder / f"{{traced}}.bin", "rb") as file:
+            program = torch.compiler.load_compiled_function(file)
+        each(lambda: program(model, x), f"loaded {{traced}}")
+"""
+
+PRECOMPILE = """
+compiled = torch.compile(model)
+if role == "compile":
+    for text in POLICIES:
+        with kp.kernel_policy(kp.Policy.parse(text)):
+            seen[f"eager {{text}}"] = round(model(x).mean().item(), 3)
+    for traced in ("prefer", "disable"):
+        with kp.kernel_policy(traced):
+            seen[f"compiling {{traced}}"] = round(compiled(x).mean().item(), 3)
+    torch.compiler.save_cache_artifacts()  # writes the Dynamo cache entries under caching precompile
+else:
+    each(lambda: compiled(x), "loaded")
+    seen["loaded entries"] = dict(torch._dynamo.utils.counters["dynamo_cache"])
+"""
+
+
+def _two_processes(body: str, repo: Path, folder: Path, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run ``body`` as ``compile`` then as ``load`` in two fresh processes; the second one's ``seen`` with the first's."""
+    import os
+
+    script = textwrap.dedent(PERSISTED).format(policies=POLICIES, body=textwrap.dedent(body).format())
+    seen: dict[str, Any] = {}
+    for role in ("compile", "load"):
+        done = subprocess.run(
+            [sys.executable, "-c", script, role, str(repo), str(folder)],
+            capture_output=True,
+            text=True,
+            timeout=400,
+            check=False,
+            env={**os.environ, **(env or {})},
+        )
+        if done.returncode != 0:
+            return {"failed": role, "stderr": done.stderr[-3000:]}
+        seen.update(json.loads(done.stdout.strip().splitlines()[-1]))
+    return seen
+
+
+def _right_path_or_refused(seen: dict[str, Any], tag: str, traced: str | None) -> int:
+    """Every call of ``tag`` ran its policy's path (the eager output) or was refused naming both policies."""
+    refused = 0
+    for text in POLICIES:
+        got = seen[f"{tag} {text}"]
+        if isinstance(got, str):
+            prefix = "kernelpolicy: this compiled program was traced under the policy "
+            assert got.startswith(prefix + (repr(traced) if traced is not None else "")), got
+            assert f"the policy in effect is {text!r}" in got and "layer 'RMSNorm'" in got, got
+            refused += 1
+        else:
+            assert got == pytest.approx(seen[f"eager {text}"], abs=1e-3), (tag, text, seen)
+    return refused
+
+
+@pytest.mark.slow
+def test_aot_compiled_functions_loaded_elsewhere_run_their_policy_or_refuse(
+    kernel_repos: dict[str, Path], tmp_path: Path
+) -> None:
+    if not hasattr(torch.compile(len, fullgraph=True), "aot_compile") or not hasattr(
+        torch.compiler, "load_compiled_function"
+    ):
+        pytest.skip(f"torch {torch.__version__} has no aot_compile / load_compiled_function")
+    seen = _two_processes(AOT_COMPILE, kernel_repos["traceable"], tmp_path)
+    assert "failed" not in seen, seen
+    assert seen["eager prefer"] > 50 > seen["eager disable"]  # the kernel adds 100
+    for where in ("compiling", "loaded"):
+        # the program of prefer runs under prefer and require, and refuses the policies that disable RMSNorm
+        assert _right_path_or_refused(seen, f"{where} prefer", "prefer") == 2
+        assert isinstance(seen[f"{where} prefer disable"], str)
+        # the program of disable runs under both policies that disable RMSNorm, and refuses the others
+        assert _right_path_or_refused(seen, f"{where} disable", "disable") == 2
+        assert isinstance(seen[f"{where} disable require"], str)
+
+
+@pytest.mark.slow
+def test_caching_precompile_loaded_elsewhere_runs_each_policy_or_refuses(
+    kernel_repos: dict[str, Path], tmp_path: Path
+) -> None:
+    import torch._dynamo.config
+
+    if not hasattr(torch._dynamo.config, "caching_precompile"):
+        pytest.skip(f"torch {torch.__version__} has no caching precompile")
+    env = {"TORCH_CACHING_PRECOMPILE": "1", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache")}
+    seen = _two_processes(PRECOMPILE, kernel_repos["traceable"], tmp_path, env)
+    if seen.get("failed") == "compile" and "kernelpolicy" not in seen["stderr"].splitlines()[-1]:
+        pytest.skip(f"torch {torch.__version__} cannot compile this model with caching precompile on: {seen['stderr']}")
+    assert "failed" not in seen, seen
+    assert seen["compiling prefer"] == pytest.approx(seen["eager prefer"], abs=1e-3)
+    assert seen["compiling disable"] == pytest.approx(seen["eager disable"], abs=1e-3)
+    assert seen["loaded entries"].get("dynamo_cache_hit", 0) >= 1, seen  # the second process did load them
+    _right_path_or_refused(seen, "loaded", None)

@@ -56,10 +56,10 @@ def test_doctor_says_when_transformers_runs_no_hub_kernels(monkeypatch: pytest.M
     assert "use_kernels=True silently does nothing" in line
 
 
-def test_doctor_names_a_compile_cache_that_ignores_the_policy() -> None:
+def test_doctor_reports_caching_precompile_and_the_graph_caches() -> None:
     import torch._dynamo.config
 
-    check = next(c for c in doctor().checks if c[0] == "persisted compile artifacts follow the policy")
+    check = next(c for c in doctor().checks if c[0] == "persisted compile artifacts follow the policy or refuse it")
     assert check[1] and check[2].startswith("caching precompile off; ")
     if not hasattr(torch._dynamo.config, "caching_precompile"):
         pytest.skip(f"torch {torch.__version__} has no caching precompile")
@@ -67,5 +67,5 @@ def test_doctor_names_a_compile_cache_that_ignores_the_policy() -> None:
     # The check alone: compiling with caching precompile on fails on torch 2.9 before any policy is asked.
     with torch._dynamo.config.patch(caching_precompile=True):
         ok, detail = _persistence()
-    assert not ok and "caching precompile is ON" in detail
+    assert ok and "caching precompile is ON" in detail and "ArtifactPolicyError" in detail
     assert torch._dynamo.config.caching_precompile is False  # restored
