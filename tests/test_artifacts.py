@@ -237,3 +237,59 @@ def test_caching_precompile_loaded_elsewhere_runs_each_policy_or_refuses(
     assert seen["compiling disable"] == pytest.approx(seen["eager disable"], abs=1e-3)
     assert seen["loaded entries"].get("dynamo_cache_hit", 0) >= 1, seen  # the second process did load them
     _right_path_or_refused(seen, "loaded", None)
+
+
+PER_POLICY = """
+from kernelpolicy.artifacts import NoProgramError, compile_per_policy, export_per_policy, load_per_policy
+
+SERVED = ("prefer", "disable", "prefer,RMSNorm=disable")
+if role == "compile":
+    for text in POLICIES:
+        with kp.kernel_policy(kp.Policy.parse(text)):
+            seen[f"eager {{text}}"] = round(model(x).mean().item(), 3)
+    if {kind!r} == "aot_compile":
+        compile_per_policy(model, (x,), policies=SERVED, directory=folder)
+    else:
+        export_per_policy(model, (x,), policies=SERVED, directory=folder, package={kind!r})
+else:
+    programs = load_per_policy(folder, model=model)
+    for text in POLICIES:
+        with kp.kernel_policy(kp.Policy.parse(text)):
+            try:
+                seen[f"loaded {{text}}"] = round(programs(x).mean().item(), 3)
+            except NoProgramError as error:
+                seen[f"loaded {{text}}"] = str(error)
+    seen["kind"] = programs.kind
+    seen["compiled frames"] = torch._dynamo.utils.counters["frames"]["total"]
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["aot_compile", "aoti"])
+def test_programs_per_policy_start_warm_in_another_process(
+    kind: str, kernel_repos: dict[str, Path], tmp_path: Path
+) -> None:
+    if kind == "aot_compile" and not hasattr(torch.compile(len, fullgraph=True), "aot_compile"):
+        pytest.skip(f"torch {torch.__version__} has no aot_compile")
+    body = PER_POLICY.replace("{kind!r}", repr(kind))
+    seen = _two_processes(body, kernel_repos["traceable"], tmp_path)
+    assert "failed" not in seen, seen
+    assert seen["kind"] == kind
+    manifest = json.loads((tmp_path / MANIFEST).read_text())
+    assert manifest["kind"] == kind and len(manifest["programs"]) == 3
+    for text in ("prefer", "disable", "prefer,RMSNorm=disable"):
+        assert seen[f"loaded {text}"] == pytest.approx(seen[f"eager {text}"], abs=1e-3), (text, seen)
+    assert seen["eager prefer"] > 50 > seen["eager disable"]
+    made = "compiled" if kind == "aot_compile" else "exported"
+    assert seen["loaded require"].startswith(f"kernelpolicy: no {made} program for the policy in effect 'require'")
+    assert seen["compiled frames"] == 0  # warm: the loading process traced and compiled nothing
+
+
+def test_loading_compiled_programs_needs_the_model(model: DemoModel, tmp_path: Path) -> None:
+    (tmp_path / MANIFEST).write_text(json.dumps({"format": 2, "kind": "aot_compile", "programs": []}))
+    with pytest.raises(TypeError, match=r"compiled with compile_per_policy and run a model: pass it"):
+        load_per_policy(tmp_path)
+    with pytest.raises(ValueError, match=r"needs at least one policy"):
+        export_per_policy(model, (X,), policies=[])
+    with pytest.raises(ValueError, match=r"package must be 'export' or 'aoti', not 'onnx'"):
+        export_per_policy(model, (X,), policies=["prefer"], package="onnx")  # type: ignore[arg-type]
