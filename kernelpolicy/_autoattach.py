@@ -254,9 +254,9 @@ def _still_unattached() -> list[nn.Module]:
 
 def _runs_kernel(module: nn.Module) -> bool:
     """Whether kernels bound ``module`` a kernel (its instance forward is not its class's)."""
-    forward = module.__dict__.get("forward")
-    original = inspect.getattr_static(type(module), "forward", None)
-    return isinstance(forward, types.MethodType) and forward.__func__ is not original
+    from ._binding import bound_forward
+
+    return bound_forward(module) is not None
 
 
 def _runs_unattached_kernel(module: nn.Module) -> bool:

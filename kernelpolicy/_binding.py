@@ -85,6 +85,7 @@ __all__ = [
     "NO_ORIGINAL",
     "attach",
     "binding_of",
+    "bound_forward",
     "kernel_accepts",
     "kernel_modules",
     "kernelize",
@@ -441,6 +442,18 @@ def _bind(module: nn.Module, assigned: Any, module_name: str | None) -> None:
     module.__dict__[BINDING] = binding
     module.__dict__["forward"] = make_forward(binding)
     _AWARE_MODULES.setdefault(binding.layer_name, weakref.WeakSet()).add(module)
+
+
+def bound_forward(module: nn.Module) -> types.MethodType | None:
+    """The forward bound on ``module`` itself in place of its class's, or None (the one test of "bound a kernel").
+
+    kernels binds a kernel as ``module.forward = MethodType(kernel_forward, module)``, and so does
+    kernelpolicy with its policy-aware forward: :func:`binding_of` tells the two apart.
+    """
+    assigned = module.__dict__.get("forward")
+    if not isinstance(assigned, types.MethodType) or assigned.__self__ is not module:
+        return None
+    return None if assigned.__func__ is inspect.getattr_static(type(module), "forward", None) else assigned
 
 
 def _kernel_function(module: nn.Module, assigned: Any, original: Callable[..., Any]) -> Callable[..., Any] | None:

@@ -16,14 +16,13 @@ reaches (transformers' lazily loaded ones).
 from __future__ import annotations
 
 import dataclasses
-import types
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.compiler import is_dynamo_compiling as _is_dynamo
 
 from ._active import DEFAULTS, UNRECORDED, current_policy
-from ._binding import BINDING, binding_of, kernel_modules
+from ._binding import BINDING, binding_of, bound_forward, kernel_modules
 from ._dispatch import LOCAL_SHARDS, NO_SHARDING, USABLE, Binding, has_dtensor
 from ._errors import KernelUnavailableError
 from ._rules import RULES
@@ -243,15 +242,14 @@ def _marked(model: nn.Module) -> Iterator[tuple[str, Binding | Ungoverned]]:
         if binding is not None:
             yield name, binding
             continue
-        bound = module.__dict__.get("forward")
-        has_kernel = isinstance(bound, types.MethodType) and bound.__func__ is not type(module).forward
+        bound = bound_forward(module)
         cls = type(module)
         yield (
             name,
             Ungoverned(
                 layer_name=str(cls.kernel_layer_name),  # type: ignore[attr-defined]
                 module_class=f"{cls.__module__}.{cls.__qualname__}",
-                kernel=getattr(bound, "__qualname__", None) if has_kernel else None,
+                kernel=None if bound is None else bound.__qualname__,
                 reason="not policy-aware: call kernelpolicy.attach(model)",
             ),
         )
