@@ -123,6 +123,12 @@ def each(call, tag):
             except ArtifactPolicyError as error:
                 seen[f"{{tag}} {{text}}"] = str(error)
 
+
+if role == "compile":  # the references: each policy's path in eager code
+    for text in POLICIES:
+        with kp.kernel_policy(kp.Policy.parse(text)):
+            seen[f"eager {{text}}"] = round(model(x).mean().item(), 3)
+
 {body}
 print(json.dumps(seen))
 """
@@ -133,9 +139,6 @@ def f(m, x):
 
 
 if role == "compile":
-    for text in POLICIES:
-        with kp.kernel_policy(kp.Policy.parse(text)):
-            seen[f"eager {{text}}"] = round(model(x).mean().item(), 3)
     for traced in ("prefer", "disable"):
         with kp.kernel_policy(traced):
             program = torch.compile(f, fullgraph=True).aot_compile(((model, x), {{}}))
@@ -151,9 +154,6 @@ else:
 PRECOMPILE = """
 compiled = torch.compile(model)
 if role == "compile":
-    for text in POLICIES:
-        with kp.kernel_policy(kp.Policy.parse(text)):
-            seen[f"eager {{text}}"] = round(model(x).mean().item(), 3)
     for traced in ("prefer", "disable"):
         with kp.kernel_policy(traced):
             seen[f"compiling {{traced}}"] = round(compiled(x).mean().item(), 3)
@@ -244,9 +244,6 @@ from kernelpolicy.artifacts import NoProgramError, compile_per_policy, export_pe
 
 SERVED = ("prefer", "disable", "prefer,RMSNorm=disable")
 if role == "compile":
-    for text in POLICIES:
-        with kp.kernel_policy(kp.Policy.parse(text)):
-            seen[f"eager {{text}}"] = round(model(x).mean().item(), 3)
     if {kind!r} == "aot_compile":
         compile_per_policy(model, (x,), policies=SERVED, directory=folder)
     else:
