@@ -188,6 +188,11 @@ DYNAMO_CONSTANT_MARK = "_dynamo_marked_constant"
 #: ``torch._dynamo.config``'s switch of caching precompile, read by ``_persisted`` (a torch without it has
 #: no caching precompile, so a missing name is no fault and not in :data:`INTERNALS`).
 CACHING_PRECOMPILE = "caching_precompile"
+TRACING_CONTEXT = Internal(
+    "persisted programs: one policy check per layer name and traced frame (TorchDynamo's context of the trace)",
+    ("torch._guards.TracingContext.try_get",),
+    "a persisted program checks the policy after every policy-aware layer (about 5 us each)",
+)
 DYNAMO_COUNTERS = Internal("doctor and tests count graph breaks", ("torch._dynamo.utils.counters",))
 FUNCTORCH_STACK = Internal(
     "verify: whether a torch.func transform (vmap, grad, ...) runs the call",
@@ -223,6 +228,7 @@ INTERNALS: tuple[Internal, ...] = (
     SLOW_FORWARD,
     *CALL_PATH,
     GRAPH_BREAK,
+    TRACING_CONTEXT,
     DYNAMO_COUNTERS,
     FUNCTORCH_STACK,
     KERNELS_LAYER_CACHE,

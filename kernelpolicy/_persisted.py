@@ -11,14 +11,16 @@ torch 2.13 (issue 26):
   a program was traced under.
 
 So when TorchDynamo traces a program that will be persisted (:func:`persisting`: caching precompile is on,
-or ``aot_compile`` is tracing), each policy-aware layer's traced branch passes its output through
+or ``aot_compile`` is tracing), the traced branch of the first policy-aware layer of each name in a traced
+frame (:func:`_first_check`: layers of one name read the same facts) passes its output through
 :func:`checked`, which adds to it the result of the op ``kernelpolicy::policy_check``: a zero scalar whose
 arguments are what the branch read (the layer's name, whether its kernel was on, whether it was required,
 its variant entry) and the traced policy's text. When the program runs, in this process or in one that
 loaded it, the op compares them with the policy in effect in the calling thread and raises
 :class:`ArtifactPolicyError` on a mismatch, naming both policies. The layer's output is unchanged (``x +
 0``; a negative zero becomes a positive one) and Inductor fuses the addition; the op costs a Python call
-per layer per call, in persisted programs only. Programs compiled for this process alone never contain it.
+(about 5 us on this machine's CPU) per layer name and compiled frame at each call, in persisted programs only.
+Programs compiled for this process alone never contain it.
 
 The op is registered when kernelpolicy's dispatch loads (about 0.3 ms), so a process that builds
 policy-aware layers can run a loaded program; a process without kernelpolicy cannot (torch names the
@@ -28,12 +30,20 @@ missing ``kernelpolicy::policy_check``).
 from __future__ import annotations
 
 import sys
+import weakref
 from typing import TYPE_CHECKING, Any, Final
 
 import torch
 
 from ._active import DEFAULTS, ensure_env
-from ._compat import CACHING_PRECOMPILE, DYNAMO_CONSTANT_MARK, DYNAMO_DISABLE_MARK
+from ._compat import (
+    CACHING_PRECOMPILE,
+    DYNAMO_CONSTANT_MARK,
+    DYNAMO_DISABLE_MARK,
+    TRACING_CONTEXT,
+    first_present,
+    lookup,
+)
 from ._errors import ArtifactPolicyError
 
 if TYPE_CHECKING:
@@ -55,29 +65,23 @@ _LIBRARY.define(
 )
 
 
-def _facts(layer: str) -> tuple[bool, bool, str, str]:
-    """(kernel on, required, variant entry, policy text) for ``layer`` under the policy in effect here."""
-    ensure_env()
-    policy = DEFAULTS.active._current.policy
-    mode, entry = policy.mode_for(layer), policy.entry_for(layer)
-    return mode != "disable", mode == "require", entry if entry != mode else "", str(policy)
-
-
 def _check(
     anchor: torch.Tensor, layer: str, reads: str, kernel_on: bool, required: bool, variant: str, traced: str
 ) -> torch.Tensor:
     """The op's kernel (every device): a zero scalar, or :class:`ArtifactPolicyError` if the policy differs."""
-    now_on, now_required, now_variant, now = _facts(layer)
+    ensure_env()
+    policy = DEFAULTS.active._current.policy
+    mode, entry = policy.mode_for(layer), policy.entry_for(layer)
     was = {"k": kernel_on, "r": required, "v": variant}
-    is_ = {"k": now_on, "r": now_required, "v": now_variant}
+    is_ = {"k": mode != "disable", "r": mode == "require", "v": entry if entry != mode else ""}
     differ = [key for key in reads if was[key] != is_[key]]
     if differ:
         what = "; ".join(f"{READS[key]}: {was[key]!r} in the program, {is_[key]!r} now" for key in differ)
         raise ArtifactPolicyError(
             f"kernelpolicy: this compiled program was traced under the policy {traced!r}, and the policy in effect "
-            f"is {now!r}: layer {layer!r} would take the program's path, not this policy's ({what}). A persisted "
-            "program (aot_compile, caching precompile) keeps the path of its trace; call it under that policy, "
-            "or build one program per policy (kernelpolicy.artifacts)"
+            f"is {str(policy)!r}: layer {layer!r} would take the program's path, not this policy's ({what}). A "
+            "persisted program (aot_compile, caching precompile) keeps the path of its trace; call it under that "
+            "policy, or build one program per policy (kernelpolicy.artifacts)"
         )
     return anchor.new_zeros(())
 
@@ -116,9 +120,33 @@ def _traced_policy() -> str:
     return str(DEFAULTS.active._current.policy)
 
 
+_TRACE: Any = None  # TorchDynamo's ``TracingContext.try_get`` (see _compat.TRACING_CONTEXT), looked up once
+_CHECKED: weakref.WeakKeyDictionary[Any, set[tuple[str, str]]] = weakref.WeakKeyDictionary()
+
+
+def _first_check(layer: str, reads: str) -> bool:
+    """Whether the frame being traced has no check of ``layer`` yet (called by Dynamo at trace time).
+
+    Layers of one name read the same facts of one policy, so a program needs one check per name: a Llama's
+    65 RMSNorm calls cost one. Without TorchDynamo's trace context (see ``_compat``), every call is checked.
+    """
+    global _TRACE
+    if _TRACE is None:
+        name = first_present(TRACING_CONTEXT)
+        _TRACE = lookup(name) if name is not None else False
+    context = _TRACE() if _TRACE else None
+    if context is None:
+        return True
+    seen = _CHECKED.setdefault(context, set())
+    if (layer, reads) in seen:
+        return False
+    seen.add((layer, reads))
+    return True
+
+
 # ``torch._dynamo.assume_constant_result``'s mark, set directly (importing TorchDynamo takes over a second).
-setattr(persisting, DYNAMO_CONSTANT_MARK, True)
-setattr(_traced_policy, DYNAMO_CONSTANT_MARK, True)
+for _function in (persisting, _traced_policy, _first_check):
+    setattr(_function, DYNAMO_CONSTANT_MARK, True)
 
 
 def _cannot_carry(layer: str, out: Any) -> None:
@@ -137,6 +165,8 @@ def checked(out: Any, active: Active, layer: str, reads: str) -> Any:
     kernel_on = getattr(active.kernel_on, layer) if "k" in reads else False
     required = getattr(active.required, layer) if "r" in reads else False
     variant = getattr(active.variants, layer) if "v" in reads else ""
+    if not _first_check(layer, reads):
+        return out
     first = out if isinstance(out, torch.Tensor) else out[0] if isinstance(out, (tuple, list)) and out else None
     if not isinstance(first, torch.Tensor):
         _cannot_carry(layer, out)

@@ -290,3 +290,52 @@ def test_loading_compiled_programs_needs_the_model(model: DemoModel, tmp_path: P
         export_per_policy(model, (X,), policies=[])
     with pytest.raises(ValueError, match=r"package must be 'export' or 'aoti', not 'onnx'"):
         export_per_policy(model, (X,), policies=["prefer"], package="onnx")  # type: ignore[arg-type]
+
+
+class ThreeNorms(torch.nn.Module):
+    """Three RMSNorm layers and a graph break after the second (at module level: caching precompile saves it)."""
+
+    def __init__(self) -> None:
+        from kernelpolicy.testing import RMSNorm
+
+        super().__init__()
+        self.a, self.b, self.c = RMSNorm(16), RMSNorm(16), RMSNorm(16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.b(self.a(x))
+        torch._dynamo.graph_break()
+        return self.c(x)
+
+
+def test_a_persisted_program_checks_each_layer_name_once_per_graph(
+    kernel_repos: dict[str, Path], fresh_dynamo: None
+) -> None:
+    """One check per layer name and traced frame; a graph break keeps a check on each side; none in process."""
+    import torch._dynamo.config
+
+    from kernelpolicy.testing import kernelize_locally
+
+    model = kernelize_locally(ThreeNorms(), {"RMSNorm": kernel_repos["traceable"]})
+    checks: list[int] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Callable[..., Any]:
+        checks.append(sum(1 for node in gm.graph.nodes if "policy_check" in str(node.target)))
+        return gm.forward
+
+    x = torch.ones(2, 16)
+    expected = model(x)
+    torch.testing.assert_close(torch.compile(model, backend=backend)(x), expected)
+    assert checks == [0, 0]  # compiled for this process alone: the policy is a guard, the graphs have no check
+    if not hasattr(torch._dynamo.config, "caching_precompile"):
+        pytest.skip(f"torch {torch.__version__} has no caching precompile")
+    torch._dynamo.reset()
+    checks.clear()
+    with torch._dynamo.config.patch(caching_precompile=True):
+        try:
+            out = torch.compile(model, backend=backend)(x)
+        except Exception as error:  # torch 2.9 fails to compile with caching precompile before any policy is read
+            if "kernelpolicy" in str(error):
+                raise
+            pytest.skip(f"torch {torch.__version__} cannot compile with caching precompile: {error!r}"[:400])
+        torch.testing.assert_close(out, expected)
+        assert checks == [1, 1]  # a and b share one check; c, after the break, has its own

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 SECTIONS = ("eager_noop", "eager_rmsnorm", "llama", "compiled", "import", "scopes")
@@ -146,3 +147,19 @@ def test_the_eligibility_benchmark_times_each_rule() -> None:
     ]
     assert len(results) == 14 and all(m.median > 0 for m in results)
     assert "RMSNorm" not in kernelpolicy._rules.RULES  # the benchmark leaves no rule behind
+
+
+@pytest.mark.slow
+def test_the_persisted_benchmark_times_the_policy_check() -> None:
+    if not hasattr(torch.compile(len, fullgraph=True), "aot_compile"):
+        pytest.skip(f"torch {torch.__version__} has no aot_compile")
+    from benchmarks import persisted
+
+    results = persisted.main(min_run_time=0.01)
+    assert [m.task_spec.sub_label for m in results[:4]] == [
+        "torch.compile, in this process (no check)",
+        "compile_per_policy (1 check, PolicyPrograms)",
+        "its aot_compile'd program alone (1 check)",
+        "kernelpolicy::policy_check alone",
+    ]
+    assert len(results) == 8 and all(m.median > 0 for m in results)
