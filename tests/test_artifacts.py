@@ -164,20 +164,27 @@ else:
 """
 
 
-def _two_processes(body: str, repo: Path, folder: Path, env: dict[str, str] | None = None) -> dict[str, Any]:
-    """Run ``body`` as ``compile`` then as ``load`` in two fresh processes; the second one's ``seen`` with the first's."""
+def _two_processes(
+    body: str,
+    repo: Path,
+    folder: Path,
+    env: dict[str, str] | None = None,
+    roles: dict[str, dict[str, str]] | None = None,
+) -> dict[str, Any]:
+    """Run ``body`` as ``compile`` then as ``load`` (or as each of ``roles``, with its environment) in fresh
+    processes; what they saw, together."""
     import os
 
     script = textwrap.dedent(PERSISTED).format(policies=POLICIES, body=textwrap.dedent(body).format())
     seen: dict[str, Any] = {}
-    for role in ("compile", "load"):
+    for role, role_env in (roles or {"compile": {}, "load": {}}).items():
         done = subprocess.run(
             [sys.executable, "-c", script, role, str(repo), str(folder)],
             capture_output=True,
             text=True,
             timeout=400,
             check=False,
-            env={**os.environ, **(env or {})},
+            env={**os.environ, **(env or {}), **role_env},
         )
         if done.returncode != 0:
             return {"failed": role, "stderr": done.stderr[-3000:]}
@@ -339,3 +346,35 @@ def test_a_persisted_program_checks_each_layer_name_once_per_graph(
             pytest.skip(f"torch {torch.__version__} cannot compile with caching precompile: {error!r}"[:400])
         torch.testing.assert_close(out, expected)
         assert checks == [1, 1]  # a and b share one check; c, after the break, has its own
+
+
+GRAPH_CACHES = """
+compiled = torch.compile(model)
+if role == "compile":
+    for traced in ("prefer", "disable"):
+        with kp.kernel_policy(traced):
+            compiled(x)
+    (folder / "mega-cache.bin").write_bytes(torch.compiler.save_cache_artifacts()[0])
+else:
+    if role == "mega-cache":  # a fresh cache directory, filled from the saved artifacts
+        torch.compiler.load_cache_artifacts((folder / "mega-cache.bin").read_bytes())
+    each(lambda: compiled(x), role)
+    seen[f"{{role}} hits"] = torch._dynamo.utils.counters["inductor"]["fxgraph_cache_hit"]
+"""
+
+
+@pytest.mark.slow
+def test_graph_caches_and_the_mega_cache_loaded_elsewhere_follow_each_callers_policy(
+    kernel_repos: dict[str, Path], tmp_path: Path
+) -> None:
+    """The FX graph and AOTAutograd caches, and save/load_cache_artifacts: Dynamo traces again, guards the policy."""
+    roles = {
+        "compile": {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache")},
+        "graph-cache": {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache")},
+        "mega-cache": {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "fresh")},
+    }
+    seen = _two_processes(GRAPH_CACHES, kernel_repos["traceable"], tmp_path, roles=roles)
+    assert "failed" not in seen, seen
+    for role in ("graph-cache", "mega-cache"):
+        assert _right_path_or_refused(seen, role, None) == 0  # each policy's own path, none refused
+        assert seen[f"{role} hits"] >= 2, seen  # the programs of both paths came from the cache
