@@ -237,7 +237,7 @@ def test_caching_precompile_loaded_elsewhere_runs_each_policy_or_refuses(
         pytest.skip(f"torch {torch.__version__} has no caching precompile")
     env = {"TORCH_CACHING_PRECOMPILE": "1", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache")}
     seen = _two_processes(PRECOMPILE, kernel_repos["traceable"], tmp_path, env)
-    if seen.get("failed") == "compile" and "kernelpolicy" not in seen["stderr"].splitlines()[-1]:
+    if seen.get("failed") == "compile" and "ArtifactPolicyError" not in seen["stderr"]:
         pytest.skip(f"torch {torch.__version__} cannot compile this model with caching precompile on: {seen['stderr']}")
     assert "failed" not in seen, seen
     assert seen["compiling prefer"] == pytest.approx(seen["eager prefer"], abs=1e-3)
@@ -340,9 +340,7 @@ def test_a_persisted_program_checks_each_layer_name_once_per_graph(
     with torch._dynamo.config.patch(caching_precompile=True):
         try:
             out = torch.compile(model, backend=backend)(x)
-        except Exception as error:  # torch 2.9 fails to compile with caching precompile before any policy is read
-            if "kernelpolicy" in str(error):
-                raise
+        except AttributeError as error:  # torch 2.9: "'ThreeNorms' object has no attribute '__qualname__'"
             pytest.skip(f"torch {torch.__version__} cannot compile with caching precompile: {error!r}"[:400])
         torch.testing.assert_close(out, expected)
         assert checks == [1, 1]  # a and b share one check; c, after the break, has its own
