@@ -194,7 +194,8 @@ def compile_per_policy(
     """
     import torch
 
-    compiler = torch.compile(_call, fullgraph=True, backend=backend, dynamic=dynamic)
+    # Any: torch releases without aot_compile (2.9) type torch.compile's result without it (mypy strict on each)
+    compiler: Any = torch.compile(_call, fullgraph=True, backend=backend, dynamic=dynamic)
     if not hasattr(compiler, "aot_compile"):
         raise NotImplementedError(f"kernelpolicy: torch {torch.__version__} has no torch.compile(...).aot_compile")
     compiled = {}
@@ -246,7 +247,8 @@ def load_per_policy(directory: str | Path, *, model: nn.Module | None = None) ->
             return package  # type: ignore[no-any-return]
         if kind == "aot_compile":
             with path.open("rb") as file:
-                return functools.partial(torch.compiler.load_compiled_function(file), model)
+                torch_compiler: Any = torch.compiler  # load_compiled_function: absent from torch 2.9 (see above)
+                return functools.partial(torch_compiler.load_compiled_function(file), model)
         return torch.export.load(path).module()
 
     source = str(folder / MANIFEST)
