@@ -117,17 +117,18 @@ def _policies(policies: Iterable[Policy | str], caller: str) -> list[Policy]:
     return checked
 
 
-def _write_manifest(folder: Path, kind: Kind, given: Iterable[Policy]) -> list[Path]:
-    """Write :data:`MANIFEST` for ``given`` policies (in order); the paths their programs are saved at."""
+def _save(folder: Path, kind: Kind, programs: Mapping[Policy, Any], save: Callable[[Any, Path], object]) -> None:
+    """Save each program with ``save(program, path)``, then :data:`MANIFEST` (last: it lists only saved files)."""
     import torch
 
-    policies = list(given)
     folder.mkdir(parents=True, exist_ok=True)
-    names = [f"program-{index}{_SUFFIX[kind]}" for index, _ in enumerate(policies)]
-    entries = [{"policy": str(policy), "file": name} for policy, name in zip(policies, names, strict=True)]
+    entries = []
+    for index, (policy, program) in enumerate(programs.items()):
+        name = f"program-{index}{_SUFFIX[kind]}"
+        save(program, folder / name)
+        entries.append({"policy": str(policy), "file": name})
     manifest = {"format": _FORMAT, "kind": kind, "torch": str(torch.__version__), "programs": entries}
     (folder / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-    return [folder / name for name in names]
 
 
 def export_per_policy(
@@ -160,12 +161,15 @@ def export_per_policy(
             exported[policy] = torch.export.export(model, args, kwargs, strict=strict)
     if directory is None:
         return PolicyPrograms({policy: program.module() for policy, program in exported.items()})
-    paths = _write_manifest(Path(directory), package, exported)
-    for path, program in zip(paths, exported.values(), strict=True):
-        if package == "aoti":
-            torch._inductor.aoti_compile_and_package(program, package_path=str(path))
-        else:
-            torch.export.save(program, path)
+    if package == "aoti":
+        _save(
+            Path(directory),
+            package,
+            exported,
+            lambda p, path: torch._inductor.aoti_compile_and_package(p, package_path=str(path)),
+        )
+    else:
+        _save(Path(directory), package, exported, torch.export.save)
     return load_per_policy(directory)
 
 
@@ -203,10 +207,7 @@ def compile_per_policy(
         with kernel_policy(policy):
             compiled[policy] = compiler.aot_compile(((model, *args), kwargs or {}))
     if directory is not None:
-        for path, program in zip(
-            _write_manifest(Path(directory), "aot_compile", compiled), compiled.values(), strict=True
-        ):
-            program.save_compiled_function(str(path))
+        _save(Path(directory), "aot_compile", compiled, lambda program, path: program.save_compiled_function(str(path)))
     where = str(directory or "")
     return PolicyPrograms(
         {policy: functools.partial(program, model) for policy, program in compiled.items()}, where, "aot_compile"
