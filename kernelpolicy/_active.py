@@ -47,6 +47,7 @@ __all__ = [
     "ensure_env",
     "known_layers",
     "known_variants",
+    "layer_facts",
     "register_layer_name",
     "register_variant",
 ]
@@ -123,19 +124,27 @@ _INTERN_LOCK = threading.Lock()
 _KNOWN_LAYERS: set[str] = set()
 
 
+def layer_facts(policy: Policy, name: str) -> tuple[str, bool, bool, str]:
+    """(entry, kernel on, required, variant entry) of kernel layer ``name`` under ``policy``.
+
+    What an :class:`Active`'s tables hold for the layer; ``_persisted`` compares a persisted program's with them.
+    """
+    mode = policy.mode_for(name)
+    entry = policy.entry_for(name)  # the mode, or the variants a layer entry names
+    return entry, mode != "disable", mode == "require", entry if entry != mode else ""
+
+
 def _fill(active: Active, names: Iterable[str]) -> None:
     """Write the entries of ``names`` into ``active`` (never overwriting one; called with ``_INTERN_LOCK`` held)."""
-    policy = active.policy
     for name in names:
-        mode = policy.mode_for(name)
-        entry = policy.entry_for(name)  # the mode, or the variants a layer entry names
+        entry, kernel_on, required, variant = layer_facts(active.policy, name)
         if entry not in RECORDED:
             RECORDED[entry] = f"{entry}+record"
             UNRECORDED[RECORDED[entry]] = entry
         active.modes.__dict__.setdefault(name, RECORDED[entry] if active.recording else entry)
-        active.kernel_on.__dict__.setdefault(name, mode != "disable")
-        active.required.__dict__.setdefault(name, mode == "require")
-        active.variants.__dict__.setdefault(name, entry if entry != mode else "")
+        active.kernel_on.__dict__.setdefault(name, kernel_on)
+        active.required.__dict__.setdefault(name, required)
+        active.variants.__dict__.setdefault(name, variant)
 
 
 def _new(policy: Policy, recording: bool) -> Active:

@@ -29,13 +29,14 @@ missing ``kernelpolicy::policy_check``).
 
 from __future__ import annotations
 
+import functools
 import sys
 import weakref
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, cast
 
 import torch
 
-from ._active import DEFAULTS, ensure_env
+from ._active import DEFAULTS, ensure_env, layer_facts
 from ._compat import (
     CACHING_PRECOMPILE,
     DYNAMO_CONSTANT_MARK,
@@ -47,6 +48,8 @@ from ._compat import (
 from ._errors import ArtifactPolicyError
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from ._active import Active
 
 __all__ = ["OP", "checked", "persisting"]
@@ -71,9 +74,9 @@ def _check(
     """The op's kernel (every device): a zero scalar, or :class:`ArtifactPolicyError` if the policy differs."""
     ensure_env()
     policy = DEFAULTS.active._current.policy
-    mode, entry = policy.mode_for(layer), policy.entry_for(layer)
+    _, now_on, now_required, now_variant = layer_facts(policy, layer)
     was = {"k": kernel_on, "r": required, "v": variant}
-    is_ = {"k": mode != "disable", "r": mode == "require", "v": entry if entry != mode else ""}
+    is_ = {"k": now_on, "r": now_required, "v": now_variant}
     differ = [key for key in reads if was[key] != is_[key]]
     if differ:
         what = "; ".join(f"{READS[key]}: {was[key]!r} in the program, {is_[key]!r} now" for key in differ)
@@ -120,8 +123,14 @@ def _traced_policy() -> str:
     return str(DEFAULTS.active._current.policy)
 
 
-_TRACE: Any = None  # TorchDynamo's ``TracingContext.try_get`` (see _compat.TRACING_CONTEXT), looked up once
 _CHECKED: weakref.WeakKeyDictionary[Any, set[tuple[str, str]]] = weakref.WeakKeyDictionary()
+
+
+@functools.cache
+def _trace_context() -> Callable[[], Any] | None:
+    """TorchDynamo's ``TracingContext.try_get`` (see ``_compat.TRACING_CONTEXT``), or None without it."""
+    name = first_present(TRACING_CONTEXT)
+    return None if name is None else cast("Callable[[], Any]", lookup(name))
 
 
 def _first_check(layer: str, reads: str) -> bool:
@@ -130,11 +139,8 @@ def _first_check(layer: str, reads: str) -> bool:
     Layers of one name read the same facts of one policy, so a program needs one check per name: a Llama's
     65 RMSNorm calls cost one. Without TorchDynamo's trace context (see ``_compat``), every call is checked.
     """
-    global _TRACE
-    if _TRACE is None:
-        name = first_present(TRACING_CONTEXT)
-        _TRACE = lookup(name) if name is not None else False
-    context = _TRACE() if _TRACE else None
+    try_get = _trace_context()
+    context = None if try_get is None else try_get()
     if context is None:
         return True
     seen = _CHECKED.setdefault(context, set())
@@ -162,11 +168,11 @@ setattr(_cannot_carry, DYNAMO_DISABLE_MARK, True)  # raised at run time, after t
 
 def checked(out: Any, active: Active, layer: str, reads: str) -> Any:
     """``out`` with the policy check added (traced by TorchDynamo; see the module docstring)."""
+    if not _first_check(layer, reads):
+        return out
     kernel_on = getattr(active.kernel_on, layer) if "k" in reads else False
     required = getattr(active.required, layer) if "r" in reads else False
     variant = getattr(active.variants, layer) if "v" in reads else ""
-    if not _first_check(layer, reads):
-        return out
     first = out if isinstance(out, torch.Tensor) else out[0] if isinstance(out, (tuple, list)) and out else None
     if not isinstance(first, torch.Tensor):
         _cannot_carry(layer, out)
