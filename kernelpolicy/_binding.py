@@ -453,7 +453,7 @@ def bound_forward(module: nn.Module) -> types.MethodType | None:
     assigned = module.__dict__.get("forward")
     if not isinstance(assigned, types.MethodType) or assigned.__self__ is not module:
         return None
-    return None if assigned.__func__ is inspect.getattr_static(type(module), "forward", None) else assigned
+    return None if assigned.__func__ is _class_forward(module) else assigned
 
 
 def _kernel_function(module: nn.Module, assigned: Any, original: Callable[..., Any]) -> Callable[..., Any] | None:
