@@ -159,18 +159,14 @@ def export_per_policy(
     for policy in _policies(policies, "export_per_policy"):
         with kernel_policy(policy):
             exported[policy] = torch.export.export(model, args, kwargs, strict=strict)
-    if directory is None:
-        return PolicyPrograms({policy: program.module() for policy, program in exported.items()})
-    if package == "aoti":
-        _save(
-            Path(directory),
-            package,
-            exported,
-            lambda p, path: torch._inductor.aoti_compile_and_package(p, package_path=str(path)),
-        )
-    else:
-        _save(Path(directory), package, exported, torch.export.save)
-    return load_per_policy(directory)
+    if directory is not None:
+        folder = Path(directory)
+        if package == "aoti":  # the packages exist only on disk: compiled there, loaded from there
+            aoti = torch._inductor.aoti_compile_and_package
+            _save(folder, package, exported, lambda program, path: aoti(program, package_path=str(path)))
+            return load_per_policy(folder)
+        _save(folder, package, exported, torch.export.save)
+    return PolicyPrograms({policy: program.module() for policy, program in exported.items()}, str(directory or ""))
 
 
 def _call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
