@@ -211,8 +211,8 @@ def _transformers_integration() -> str:
     )
 
 
-def _persistence() -> tuple[bool, str]:
-    """Whether the compile caches that are on follow each caller's policy (or refuse it), and which are on.
+def _persistence() -> str:
+    """Which persistence settings are on, and what each does with a policy (every one follows it or refuses).
 
     Read with ``getattr``: these are configuration flags, absent from some torch releases (then off). See
     docs/compile.md, "Persisted artifacts".
@@ -232,12 +232,12 @@ def _persistence() -> tuple[bool, str]:
     ]
     followed = f"{' and '.join(caches)} on (they follow the caller's policy)" if caches else "no graph cache on"
     if precompile:
-        return True, (
+        return (
             "Dynamo caching precompile is ON (TORCH_CACHING_PRECOMPILE): the programs it saves carry the policy "
             "they were traced under and refuse a caller whose policy takes another path (ArtifactPolicyError); "
             "compile under each policy you serve before saving (docs/compile.md#persisted-artifacts); " + followed
         )
-    return True, f"caching precompile off; {followed}"
+    return f"caching precompile off; {followed}"
 
 
 def doctor() -> DoctorReport:
@@ -304,7 +304,7 @@ def doctor() -> DoctorReport:
         ("follows the policy of each call", seen == expected, f"outputs {seen}, expected {expected}"),
         ("one compile per distinct policy", compiles[0] == 2, f"{compiles[0]} compiles for 2 policies"),
         ("no graph breaks", breaks == 0, f"{breaks} graph breaks"),
-        ("persisted compile artifacts follow the policy or refuse it", *_persistence()),
+        ("persisted compile artifacts follow the policy or refuse it", True, _persistence()),
     )
     torch.compiler.reset()
     return DoctorReport(

@@ -164,7 +164,7 @@ else:
 """
 
 
-def _two_processes(
+def _in_processes(
     body: str,
     repo: Path,
     folder: Path,
@@ -215,7 +215,7 @@ def test_aot_compiled_functions_loaded_elsewhere_run_their_policy_or_refuse(
         torch.compiler, "load_compiled_function"
     ):
         pytest.skip(f"torch {torch.__version__} has no aot_compile / load_compiled_function")
-    seen = _two_processes(AOT_COMPILE, kernel_repos["traceable"], tmp_path)
+    seen = _in_processes(AOT_COMPILE, kernel_repos["traceable"], tmp_path)
     assert "failed" not in seen, seen
     assert seen["eager prefer"] > 50 > seen["eager disable"]  # the kernel adds 100
     for where in ("compiling", "loaded"):
@@ -236,7 +236,7 @@ def test_caching_precompile_loaded_elsewhere_runs_each_policy_or_refuses(
     if not hasattr(torch._dynamo.config, "caching_precompile"):
         pytest.skip(f"torch {torch.__version__} has no caching precompile")
     env = {"TORCH_CACHING_PRECOMPILE": "1", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache")}
-    seen = _two_processes(PRECOMPILE, kernel_repos["traceable"], tmp_path, env)
+    seen = _in_processes(PRECOMPILE, kernel_repos["traceable"], tmp_path, env)
     if seen.get("failed") == "compile" and "ArtifactPolicyError" not in seen["stderr"]:
         pytest.skip(f"torch {torch.__version__} cannot compile this model with caching precompile on: {seen['stderr']}")
     assert "failed" not in seen, seen
@@ -276,7 +276,7 @@ def test_programs_per_policy_start_warm_in_another_process(
     if kind == "aot_compile" and not hasattr(torch.compile(len, fullgraph=True), "aot_compile"):
         pytest.skip(f"torch {torch.__version__} has no aot_compile")
     body = PER_POLICY.replace("{kind!r}", repr(kind))
-    seen = _two_processes(body, kernel_repos["traceable"], tmp_path)
+    seen = _in_processes(body, kernel_repos["traceable"], tmp_path)
     assert "failed" not in seen, seen
     assert seen["kind"] == kind
     manifest = json.loads((tmp_path / MANIFEST).read_text())
@@ -371,7 +371,7 @@ def test_graph_caches_and_the_mega_cache_loaded_elsewhere_follow_each_callers_po
         "graph-cache": {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache")},
         "mega-cache": {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "fresh")},
     }
-    seen = _two_processes(GRAPH_CACHES, kernel_repos["traceable"], tmp_path, roles=roles)
+    seen = _in_processes(GRAPH_CACHES, kernel_repos["traceable"], tmp_path, roles=roles)
     assert "failed" not in seen, seen
     for role in ("graph-cache", "mega-cache"):
         assert _right_path_or_refused(seen, role, None) == 0  # each policy's own path, none refused
