@@ -2,12 +2,10 @@
 
 kernelpolicy governs a module once it is policy-aware (``attach``, ``kernelize``, the marking decorators).
 A model kernelized by ``kernels.kernelize`` alone, or by transformers' ``use_kernels=True``, is not: every
-policy passes it by. Every entry point of the kernels releases kernelpolicy supports binds a layer through
-one function, ``kernels.layer.layer._replace_forward(module, layer)``, looked up when it is called
-(``kernels.kernelize`` however it was imported, transformers' ``from_pretrained`` and its re-kernelize on
-``train()``/``eval()``). This module wraps that function (the hook) and owns:
+policy passes it by. ``_watch`` sees every binding kernels makes (the watch on its binding function) and
+calls this module's callback; this module owns:
 
-- :func:`auto_attach`: from then on, the hook makes every module kernels binds policy-aware as it is
+- :func:`auto_attach`: from then on, the callback makes every module kernels binds policy-aware as it is
   bound. It reads the model ``kernels.kernelize`` works on off that call's frame and attaches it as
   :func:`kernelpolicy.attach` does, so modules get their names in the model and the model gets attach's
   features (hub attention, activation checkpointing); modules kernels bound before become policy-aware
@@ -17,9 +15,12 @@ one function, ``kernels.layer.layer._replace_forward(module, layer)``, looked up
   a kernel, ``require`` for one that does not) is entered (a scope, ``set_default_policy``) or is in
   effect while kernels binds one. It names the modules' classes and layers and the fix.
 
-The hook is installed by ``auto_attach`` and by the first such policy entered once ``kernels`` is
-imported. Modules kernels bound a kernel to before that are found then, once, by a walk over the garbage
-collector's objects (only if kernels has loaded a kernel layer by then).
+The watch is installed by ``auto_attach``, by the first such policy entered once ``kernels`` is imported,
+and by kernelpolicy's first binding. Modules kernels bound a kernel to before that are found then, once, by a
+walk over the garbage collector's objects (only if kernels has loaded a kernel layer by then). Where the
+installed kernels cannot be watched (``_compat.KERNELS_BIND`` missing), the user is told once, and the walk
+is what there is: ``auto_attach`` attaches what it finds when called, and the warning is given for what the
+walk finds when the first policy that asks something is entered.
 
 Cost: nothing on the forward path; the hook runs when kernels binds. A scope entry runs :func:`_check`
 (in ``_active.POLICY_CHECKS``) only while it is listed: from import until the first policy that asks
@@ -32,7 +33,6 @@ from __future__ import annotations
 import collections
 import functools
 import gc
-import importlib
 import inspect
 import sys
 import threading
@@ -40,26 +40,21 @@ import types
 import weakref
 from typing import TYPE_CHECKING
 
-from . import _compat
+from . import _compat, _watch
 from ._active import POLICY_CHECKS, current_policy
 from ._errors import warn_at_caller
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
     from torch import nn
 
     from ._policy import Policy
 
 __all__ = ["auto_attach"]
 
-_LAYER_MODULE = "kernels.layer.layer"
-_HOOK_MARK = "_kernelpolicy_hook"
-
 _LOCK = threading.RLock()
 _AUTO = False  # auto_attach() in effect
 _WARNED = False  # the warning was given (once per process)
-_HOOKED = False  # kernels' binding function is wrapped
+_LOOKED = False  # the modules kernels bound before the watch (or without one) were looked for
 _UNATTACHED: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # bound by kernels, not policy-aware when found
 
 
@@ -72,8 +67,9 @@ def auto_attach(enabled: bool = True) -> bool:
     activation checkpointing); modules kernels bound before this call become policy-aware too, without
     names. It holds for the whole process, every thread; it is not a policy, so a worker process that
     builds its own model calls it there too. ``auto_attach(False)`` stops it; modules already
-    policy-aware stay so. Raises ``RuntimeError`` if the installed kernels binds layers in a way
-    kernelpolicy does not know (``python -m kernelpolicy doctor`` says so).
+    policy-aware stay so. If the installed kernels binds layers in a way kernelpolicy cannot watch
+    (``python -m kernelpolicy doctor`` says so), it says so once and makes policy-aware the modules kernels
+    bound up to this call only: attach later models with :func:`kernelpolicy.attach`.
 
     >>> import torch, kernels, kernelpolicy
     >>> previous = kernelpolicy.auto_attach()
@@ -97,53 +93,36 @@ def auto_attach(enabled: bool = True) -> bool:
     with _LOCK:
         previous, _AUTO = _AUTO, enabled
         if enabled:
-            if not _install():
-                _AUTO = previous
-                raise RuntimeError(
-                    f"auto_attach: the installed kernels has no {_LAYER_MODULE}._replace_forward, through which "
-                    "kernelpolicy sees kernels bind a layer; call kernelpolicy.attach(model) after kernelizing "
-                    "(python -m kernelpolicy doctor lists what moved)"
-                )
-            for module in _still_unattached():
+            _look()
+            for module in [*_still_unattached(), *_bound_before()]:
                 _make_aware(module, None)
             _UNATTACHED.clear()
     return previous
 
 
-# --- the hook on kernels' binding function ------------------------------------------------------
+# --- what kernels binds, seen through _watch --------------------------------------------------------
 
 
-def _install() -> bool:
-    """Wrap kernels' binding function (once) and collect what kernels bound before; False if kernels has none."""
-    global _HOOKED
+def _look() -> bool:
+    """Watch kernels bind (once) and record what it bound before; whether it is watched."""
+    global _LOOKED
     with _LOCK:
-        if _HOOKED:
-            return True
-        layer_module = importlib.import_module(_LAYER_MODULE)
-        bind = getattr(layer_module, "_replace_forward", None)
-        if not callable(bind):
-            return False
-        if not getattr(bind, _HOOK_MARK, False):
-            setattr(layer_module, "_replace_forward", _hooked(bind))  # noqa: B010 - a module of kernels
-        _HOOKED = True
-        for module in _bound_before(layer_module):
-            _found(module, None)
-        return True
+        watched = _watch.watch()
+        if not _LOOKED:
+            _LOOKED = True
+            for module in _bound_before():
+                _found(module, None)
+        return watched
 
 
-def _hooked(bind: Callable[[nn.Module, type], None]) -> Callable[[nn.Module, type], None]:
-    @functools.wraps(bind)
-    def _replace_forward(module: nn.Module, layer: type) -> None:
-        bind(module, layer)
-        from ._binding import KERNELIZING, binding_of
+def _on_bind(module: nn.Module) -> None:
+    """After kernels bound ``module`` (``_watch.ON_BIND``)."""
+    from ._binding import KERNELIZING, binding_of
 
-        # A policy-aware module took the binding through its own __setattr__; kernelpolicy.kernelize
-        # attaches the model itself once kernels is done.
-        if binding_of(module) is None and not KERNELIZING.get():
-            _found(module, _kernelized_model() if _AUTO else None)
-
-    setattr(_replace_forward, _HOOK_MARK, True)
-    return _replace_forward
+    # A policy-aware module took the binding through its own __setattr__; kernelpolicy.kernelize
+    # attaches the model itself once kernels is done.
+    if binding_of(module) is None and not KERNELIZING.get():
+        _found(module, _kernelized_model() if _AUTO else None)
 
 
 def _found(module: nn.Module, model: nn.Module | None) -> None:
@@ -180,18 +159,15 @@ def _kernelized_model() -> nn.Module | None:
 
 @functools.cache
 def _kernelize_code() -> types.CodeType | None:
-    """The code of kernels' ``kernelize`` (whose frame holds ``model``), or None if it is not where expected."""
-    try:
-        kernelize = inspect.unwrap(_compat.lookup(_compat.KERNELIZE_MODEL.names[0]))
-    except LookupError:
-        return None
+    """The code of kernels' public ``kernelize`` (whose frame holds ``model``), or None if it has no ``model``."""
+    kernelize = inspect.unwrap(_compat.kernels().kernelize)
     code = getattr(kernelize, "__code__", None)
     return code if isinstance(code, types.CodeType) and "model" in code.co_varnames else None
 
 
-def _bound_before(layer_module: types.ModuleType) -> list[nn.Module]:
+def _bound_before() -> list[nn.Module]:
     """Modules that run a kernel kernels loaded and are not policy-aware (one walk over gc's objects)."""
-    if not getattr(layer_module, "_CACHED_LAYER", None):
+    if not _compat.kernels_loaded_a_layer():
         return []  # kernels has loaded no kernel layer: it has bound none
     from torch import nn
 
@@ -218,6 +194,9 @@ def _arm() -> None:
         POLICY_CHECKS.append(_check)
 
 
+_watch.ON_BIND.append(_on_bind)
+
+
 def _disarm() -> None:
     with _LOCK:
         if _check in POLICY_CHECKS:
@@ -226,16 +205,16 @@ def _disarm() -> None:
 
 def _check(policy: Policy) -> None:
     """Before ``policy`` takes effect: warn once if it asks something of modules kernels bound unattached."""
-    if _LAYER_MODULE not in sys.modules:
+    if "kernels" not in sys.modules:
         return  # kernels is not imported: it has bound nothing
     if policy.default == "prefer" and not policy.layers:
         return  # asks nothing a module outside kernelpolicy does not already do
-    if not _install():
-        _disarm()
-        return
+    _look()
     modules = _still_unattached()
     if not modules:
-        _disarm()  # the hook arms the check again when kernels binds an unattached module
+        # Watched, the watch arms the check again when kernels binds an unattached module; unwatched, the
+        # one walk (in _look) was all there is, and the user was told so.
+        _disarm()
     elif any(_missed(policy, module) for module in modules):
         _warn_once(policy)
 
@@ -298,3 +277,4 @@ def _warn_once(policy: Policy) -> None:
 
 
 POLICY_CHECKS.append(_check)
+_watch.ON_BIND.append(_on_bind)

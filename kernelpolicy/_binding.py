@@ -66,7 +66,7 @@ from torch.nn.modules.module import (  # the names nn.Module._call_impl reads, f
     _global_forward_pre_hooks,
 )
 
-from . import _compat
+from . import _compat, _watch
 from ._active import DEFAULTS, ensure_env, register_variant
 from ._dispatch import Binding, kernel_of, make_forward
 from ._errors import PolicyError
@@ -118,9 +118,37 @@ _AWARE_MODULES: dict[str, weakref.WeakSet[nn.Module]] = {}
 
 
 def binding_of(module: nn.Module) -> Binding | None:
-    """The binding of a policy-aware module, or None."""
+    """The binding of a policy-aware module, or None.
+
+    Takes in first a forward kernels removed behind the module's back (see :func:`_resync`).
+    """
+    if "forward" not in module.__dict__:
+        _resync(module)
+    return _stored_binding(module)
+
+
+def _stored_binding(module: nn.Module) -> Binding | None:
     found = module.__dict__.get(BINDING)
     return found if isinstance(found, Binding) else None
+
+
+def _resync(module: nn.Module) -> None:
+    """After kernels bound ``module``: take in what it did around ``module.forward = ...``.
+
+    kernels >= 0.19 falls back by popping the instance forward out of ``module.__dict__`` (no
+    ``__delattr__``): for a policy-aware module that removes the dispatcher, so the module would run its
+    original forward under every policy while its binding still named the old kernel. Here that becomes
+    what kernels meant, "no kernel" (or, while :func:`kernelize` binds a variant, "no such variant"). Called
+    by the watch on kernels' binding function (``_watch``), by :func:`kernelize` after kernels is done, by
+    :func:`attach`, and by :func:`binding_of`, so that ``explain``, ``require`` and copies are right even where
+    kernels' binding function cannot be watched.
+    """
+    binding = _stored_binding(module)
+    if binding is not None and "forward" not in module.__dict__:
+        _bind(module, None, binding.module_name)
+
+
+_watch.ON_BIND.append(_resync)
 
 
 def kernel_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
@@ -168,6 +196,7 @@ def attach(model: M, *, attention_fallback: str | None = None) -> M:
     kernelpolicy.KernelUnavailableError: kernel required but unavailable for module '0' (...Double, kernel layer 'Double'): no kernel bound
     """
     ensure_env()
+    _watch.watch()
     for name, module in kernel_modules(model):
         _make_aware(module, name or None)
     options = {"attention_fallback": attention_fallback}
@@ -201,13 +230,45 @@ def kernelize(
         _check_variant_name(variant)
         attach(model, attention_fallback=attention_fallback)  # every module policy-aware: kernels' bindings land here
     kernels = _compat.kernels()
+    _watch.watch()
+    repos_before = {id(module): module.__dict__.get(REPO) for _, module in kernel_modules(model)}
     token, named = KERNELIZING.set(True), _VARIANT.set(variant)
     try:
         kernels.kernelize(model, mode=_kernels_mode(mode), device=device, use_fallback=use_fallback)
+        for _, module in kernel_modules(model):
+            _resync(module)  # a forward kernels popped while no watch was installed
+            if variant is not None:
+                _variant_repository(module, variant, repos_before.get(id(module)))
     finally:
         _VARIANT.reset(named)
         KERNELIZING.reset(token)
     return attach(model, attention_fallback=attention_fallback)
+
+
+#: kernels >= 0.19 records the repository of a module's kernel on the module (see ``_compat``).
+REPO: Final = _compat.KERNEL_REPO_ATTRIBUTE
+
+
+def _variant_repository(module: nn.Module, variant: str, before: object) -> None:
+    """After binding ``variant``: give it the repository kernels recorded, and put back the default kernel's.
+
+    kernels >= 0.19 records the repository of what it bound on the module, which its public
+    ``get_kernelized_layers`` reports as the module's kernel: that stays the default kernel's.
+    """
+    binding = binding_of(module)
+    kernel = binding.variants.get(variant) if binding is not None else None
+    if binding is not None and kernel is not None:
+        recorded = module.__dict__.get(REPO)
+        repository = (
+            _compat.describe_repository(recorded)
+            if recorded is not None and recorded is not before
+            else _compat.cached_layer_repository(kernel.function)
+        )
+        binding.variants[variant] = kernel._replace(repository=repository)
+    if before is None:
+        module.__dict__.pop(REPO, None)
+    else:
+        module.__dict__[REPO] = before
 
 
 def _check_variant_name(name: object) -> None:
@@ -399,7 +460,7 @@ def _check(check: Callable[..., bool | str | None] | None) -> Callable[..., bool
 
 
 def _make_aware(module: nn.Module, module_name: str | None) -> None:
-    existing = binding_of(module)
+    existing = binding_of(module)  # resynced: a forward kernels removed is taken in
     if existing is not None:
         if module_name is not None and existing.module_name is None:
             existing.module_name = module_name
@@ -413,10 +474,12 @@ def _make_aware(module: nn.Module, module_name: str | None) -> None:
 def _bind(module: nn.Module, assigned: Any, module_name: str | None) -> None:
     """Bind ``assigned`` (what was set as ``module.forward``) as the module's kernel, or as the variant being bound."""
     _skip_as_dynamo_frame()
+    _watch.watch()
     original = _class_forward(module)
     kernel = _kernel_function(module, assigned, original)
-    kernel_class, repository = _kernel_origin(kernel)
-    existing = binding_of(module)
+    kernel_class = _kernel_class(kernel)
+    repository = None  # known once kernels is done binding: Binding.kernel_name asks _compat
+    existing = _stored_binding(module)
     variant = _VARIANT.get()
     if variant is not None and existing is not None:
         if kernel is None:
@@ -431,7 +494,7 @@ def _bind(module: nn.Module, assigned: Any, module_name: str | None) -> None:
         module=module,
         module_name=module_name,
         layer_name=str(type(module).kernel_layer_name),  # type: ignore[attr-defined]
-        original=original,
+        original=_on_own_module(module, original),
         kernel=kernel,
         kernel_class=kernel_class,
         repository=repository,
@@ -442,6 +505,23 @@ def _bind(module: nn.Module, assigned: Any, module_name: str | None) -> None:
     module.__dict__[BINDING] = binding
     module.__dict__["forward"] = make_forward(binding)
     _AWARE_MODULES.setdefault(binding.layer_name, weakref.WeakSet()).add(module)
+
+
+def _on_own_module(module: nn.Module, original: Callable[..., Any]) -> Callable[..., Any]:
+    """``original``, run on ``module`` itself whatever module the call names, for kernels' function wrappers.
+
+    A kernels >= 0.19 function module routes a call by the module it runs on (``_compat.routes_by_module``):
+    under compile the function's global module calls a model's wrapper's forward with itself as ``self``, and
+    the original forward run on the global module would route the call back to the wrapper, without end.
+    """
+    if not _compat.routes_by_module(original):
+        return original
+
+    @functools.wraps(original)
+    def forward(_module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return original(module, *args, **kwargs)
+
+    return forward
 
 
 def bound_forward(module: nn.Module) -> types.MethodType | None:
@@ -472,20 +552,14 @@ def _class_forward(module: nn.Module) -> Callable[..., Any]:
     return cast("Callable[..., Any]", inspect.getattr_static(type(module), "forward"))
 
 
-def _kernel_origin(kernel: Callable[..., Any] | None) -> tuple[type | None, str | None]:
-    """The kernel layer class and a description of its repository, when known."""
+def _kernel_class(kernel: Callable[..., Any] | None) -> type | None:
+    """The kernel layer class whose ``forward`` ``kernel`` is, when it can be found from the function."""
     if kernel is None:
-        return None, None
-    layer_module = sys.modules.get("kernels.layer.layer")
-    for repo, layer in dict(getattr(layer_module, "_CACHED_LAYER", {})).items():
-        if inspect.getattr_static(layer, "forward", None) is kernel:
-            where = getattr(repo, "_repo_id", None) or getattr(repo, "_repo_path", None)
-            name = getattr(repo, "layer_name", None) or getattr(repo, "func_name", None)
-            return layer, f"{where}:{name}" if where else str(name)
+        return None
     owner: Any = sys.modules.get(getattr(kernel, "__module__", "") or "")
     for part in getattr(kernel, "__qualname__", "").split(".")[:-1]:
         owner = getattr(owner, part, None)
-    return (owner, None) if inspect.isclass(owner) else (None, None)
+    return owner if inspect.isclass(owner) else None
 
 
 def _aware_class(cls: type[nn.Module]) -> type[nn.Module]:

@@ -1,18 +1,31 @@
-"""What kernelpolicy needs of the installed torch and kernels: releases and private names.
+"""What kernelpolicy needs of the installed torch, kernels and transformers: releases and private names.
 
 This module owns the supported release ranges (:data:`SUPPORTED`, the same
-as ``pyproject.toml``'s and the CI matrix's), checked by
-:func:`check_torch` when the layer machinery loads and by :func:`kernels`
-on first use of ``kernels``, and :data:`INTERNALS`, the one list of every private name
-kernelpolicy relies on, and :func:`probe`, which looks each of them up in the
-installed packages (by attribute, never by version string). Code elsewhere
-that reads a private name names it here, so that a release that moves one is
-caught by ``python -m kernelpolicy doctor`` and by ``tests/test_compat.py``,
-which name what moved, and not in a user's forward.
+as ``pyproject.toml``'s and the CI matrix's; :data:`TRANSFORMERS_KERNELS` for
+transformers, which is not a dependency), checked by :func:`check_torch` when
+the layer machinery loads and by :func:`kernels` on first use of ``kernels``,
+and :data:`INTERNALS`, the one list of every private name kernelpolicy relies
+on, with each location it has had and the releases it was seen in, and
+:func:`probe`, which looks each of them up in the installed packages (by
+attribute, never by version string). Code elsewhere that reads a private name
+gets it from here (:func:`resolve`), and no other module spells a kernels or
+transformers module path, so that a release that moves one is caught by
+``python -m kernelpolicy doctor`` and by ``tests/test_compat.py``, which name
+what moved, and not in a user's forward.
+
+Public API first: where the installed kernels has a public way
+(``kernels.get_kernelized_layers`` from 0.19, ``kernels.kernelize`` itself),
+the helpers here use it, and the private name is the fallback for older
+releases.
 
 An entry with several names is satisfied by the first one present (a name
 that moved between releases); ``fallback`` says what kernelpolicy does when
-none is, or is None when the feature cannot work without it.
+none is, or is None when the feature cannot work without it. A feature that
+meets a missing entry through :func:`resolve` is told None and the user is
+told once, at their line, what is lost and that the doctor lists it: never a
+silent no-op. A kernels release newer than the tested range warns once
+(:func:`check_version`) and otherwise gets the same treatment: every name is
+looked up by attribute, so what did not move keeps working.
 
 >>> from kernelpolicy._compat import probe
 >>> all(found.present for found in probe())
@@ -24,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import importlib.util
 import re
 import warnings
 from importlib import metadata
@@ -40,17 +54,31 @@ __all__ = [
     "UnsupportedVersionError",
     "check_torch",
     "check_version",
+    "kernel_repository",
     "kernels",
     "lookup",
     "probe",
+    "resolve",
+    "routes_by_module",
 ]
 
 #: Release ranges kernelpolicy is tested with, ``(lowest, first untested)``:
 #: older releases are refused, newer ones warn once (run the doctor).
 SUPPORTED: Final[dict[str, tuple[str, str]]] = {
     "torch": ("2.9", "2.16"),
-    "kernels": ("0.16", "0.18"),
+    "kernels": ("0.16", "0.20"),
 }
+
+#: transformers releases tested with kernelpolicy and the kernels releases each one requires or enables its
+#: hub kernels with (its own version gate, ``transformers.utils.import_utils.is_kernels_available``). The
+#: README's table; transformers is not a dependency of kernelpolicy.
+TRANSFORMERS_KERNELS: Final[tuple[tuple[str, str], ...]] = (
+    ("5.17", "kernels>=0.16,<0.17"),
+    ("5.18-5.19", "kernels>=0.17,<0.18"),
+    ("5.20-5.22", "kernels>=0.17.2,<0.18"),
+    ("5.23-5.24", "kernels>=0.18,<0.19"),
+    ("5.25", "kernels>=0.19.1,<0.20 (a requirement, not only a gate)"),
+)
 
 
 class UnsupportedVersionError(ImportError):
@@ -68,7 +96,7 @@ def check_version(package: str, installed: str) -> None:
     >>> check_version("kernels", "0.12.3")
     Traceback (most recent call last):
     ...
-    kernelpolicy._compat.UnsupportedVersionError: kernelpolicy needs kernels>=0.16,<0.18 (tested); installed: kernels 0.12.3. Install a supported release: pip install 'kernels>=0.16,<0.18'
+    kernelpolicy._compat.UnsupportedVersionError: kernelpolicy needs kernels>=0.16,<0.20 (tested); installed: kernels 0.12.3. Install a supported release: pip install 'kernels>=0.16,<0.20'
     """
     low, high = SUPPORTED[package]
     spec = f"{package}>={low},<{high}"
@@ -107,11 +135,19 @@ def kernels() -> ModuleType:
 
 @dataclasses.dataclass(frozen=True)
 class Internal:
-    """One private dependency: what it is for, the names that provide it, and the fallback."""
+    """One private dependency: what it is for, the names that provide it, and the fallback.
+
+    ``seen``: for each of ``names``, the releases it was seen in (empty: not recorded).
+    """
 
     used_for: str
     names: tuple[str, ...]
     fallback: str | None = None
+    seen: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.seen and len(self.seen) != len(self.names):
+            raise ValueError(f"{self.used_for}: one 'seen' entry per name, got {self.seen!r} for {self.names!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,7 +164,12 @@ class Found:
     def __str__(self) -> str:
         if self.name is not None:
             return f"{self.internal.used_for}: {self.name}"
-        names = " or ".join(self.internal.names)
+        names = " or ".join(
+            f"{name} ({seen})" if seen else name
+            for name, seen in zip(
+                self.internal.names, self.internal.seen or ("",) * len(self.internal.names), strict=True
+            )
+        )
         effect = f"falls back to {self.internal.fallback}" if self.internal.fallback else "cannot work"
         return f"{self.internal.used_for}: MISSING {names}; kernelpolicy {effect}"
 
@@ -199,23 +240,39 @@ FUNCTORCH_STACK = Internal(
     ("torch._C._functorch.peek_interpreter_stack",),
     "verify compares under torch.func transforms too (under vmap that comparison fails)",
 )
+_K016 = "kernels.layer"  # kernels 0.16-0.18
+_K019 = "kernels._internals.layer"  # kernels 0.19
+_KERNELS_SEEN = ("kernels 0.19", "kernels 0.16-0.18")
 KERNELS_LAYER_CACHE = Internal(
-    "explain: which kernel repository a bound kernel came from; the warning about modules kernels bound "
-    "before kernelpolicy looked",
-    ("kernels.layer.layer._CACHED_LAYER",),
-    "explain shows the kernel class without its repository; modules bound before go unnoticed",
+    "explain: which kernel repository a bound kernel came from, before kernels 0.19 (0.19 records it on "
+    "the module, read through its public get_kernelized_layers); whether kernels has loaded a kernel layer",
+    (f"{_K019}.layer._CACHED_LAYER", f"{_K016}.layer._CACHED_LAYER"),
+    "explain shows the kernel class without its repository (kernels < 0.19); the search for modules kernels "
+    "bound before kernelpolicy looked runs whether or not kernels loaded a kernel",
+    seen=_KERNELS_SEEN,
 )
 KERNELS_BIND = Internal(
-    "auto_attach, and the warning about modules kernels bound outside kernelpolicy: the function every "
-    "kernelize path binds a layer's forward with, as _replace_forward(module, layer)",
-    ("kernels.layer.layer._replace_forward",),
-    "attach(model) by hand (auto_attach raises; no warning about modules left unattached)",
+    "kernelpolicy sees kernels bind a layer (the function every kernelize path binds a forward with): "
+    "auto_attach, the warning about modules kernels bound outside kernelpolicy, and the forward kernels >= "
+    "0.19 removes on fallback without asking the module",
+    (f"{_K019}.layer._replace_forward", f"{_K016}.layer._replace_forward"),
+    "auto_attach makes policy-aware only the modules bound before it is called, and says so; unattached "
+    "modules are looked for once, when the first policy that asks something is entered; a removed forward "
+    "is noticed at the next attach, kernelize or explain",
+    seen=_KERNELS_SEEN,
 )
-KERNELIZE_MODEL = Internal(
-    "auto_attach names modules and runs attach's model features: kernels' kernelize, whose argument "
-    "'model' is read off its frame",
-    ("kernels.layer.kernelize.kernelize",),
-    "modules auto_attach makes policy-aware without a name, hub attention or checkpointing",
+_TRANSFORMERS_HUB = "transformers.integrations.hub_kernels"
+TRANSFORMERS_LAZY_KERNELS = Internal(
+    "explain: hub kernels transformers' lazy_load_kernel loaded (quantized and MoE layers), which no policy reaches",
+    (f"{_TRANSFORMERS_HUB}._KERNEL_MODULE_MAPPING",),
+    "explain does not list lazily loaded kernels",
+    seen=("transformers 5.17-5.25",),
+)
+TRANSFORMERS_LAZY_REPOS = Internal(
+    "explain: the repositories of those lazily loaded kernels",
+    (f"{_TRANSFORMERS_HUB}._HUB_KERNEL_MAPPING",),
+    "explain lists lazily loaded kernels by name only",
+    seen=("transformers 5.17-5.25",),
 )
 
 #: Every private name kernelpolicy reads.
@@ -233,7 +290,8 @@ INTERNALS: tuple[Internal, ...] = (
     FUNCTORCH_STACK,
     KERNELS_LAYER_CACHE,
     KERNELS_BIND,
-    KERNELIZE_MODEL,
+    TRANSFORMERS_LAZY_KERNELS,
+    TRANSFORMERS_LAZY_REPOS,
 )
 
 _MISSING = object()
@@ -267,5 +325,99 @@ def first_present(internal: Internal) -> str | None:
 
 
 def probe() -> tuple[Found, ...]:
-    """Look up every entry of :data:`INTERNALS`."""
-    return tuple(Found(internal, first_present(internal)) for internal in INTERNALS)
+    """Look up every entry of :data:`INTERNALS` (an entry of a package that is not installed is skipped)."""
+    return tuple(Found(internal, first_present(internal)) for internal in INTERNALS if _installed(internal.names[0]))
+
+
+def _installed(dotted: str) -> bool:
+    return importlib.util.find_spec(dotted.partition(".")[0]) is not None
+
+
+_told: set[Internal] = set()
+
+
+def resolve(internal: Internal) -> Any:
+    """The object at the first present name of ``internal``; else None, and the user is told once.
+
+    The message names what is missing, what kernelpolicy does instead (``internal.fallback``) and the
+    doctor. It is given at the user's line, once per entry and process. A package that is not imported
+    (kernels, transformers) is imported here only if it is installed.
+    """
+    for name in internal.names:
+        try:
+            return lookup(name)
+        except LookupError:
+            continue
+    if internal not in _told:
+        _told.add(internal)
+        from ._errors import warn_at_caller
+
+        effect = internal.fallback or "cannot work"
+        warn_at_caller(
+            f"kernelpolicy: {internal.used_for}: the installed packages have none of {', '.join(internal.names)}; "
+            f"kernelpolicy {effect}. Run `python -m kernelpolicy doctor` for what moved.",
+            also_skip=("kernels", "transformers", "torch"),
+        )
+    return None
+
+
+def routes_by_module(forward: Any) -> bool:
+    """Whether ``forward`` is the forward of a kernels >= 0.19 function module, which routes a call by ``self``.
+
+    kernels 0.19 gives each model its own wrapper of a kernel function (``use_kernelized_func``); the
+    function's global module hands a call to the wrapper of the model running, and under compile calls that
+    wrapper's forward with the *global* module as ``self``. Detected by the function's qualified name and the
+    routing table it reads (absent before 0.19, whose function modules ignore ``self``).
+    """
+    code = getattr(forward, "__code__", None)
+    return (
+        getattr(forward, "__qualname__", "") == "_create_func_module.<locals>.Func.forward"
+        and code is not None
+        and "_ACTIVE_KERNEL_FUNCS" in code.co_names
+    )
+
+
+#: The instance attribute in which kernels >= 0.19 records the repository a module's kernel came from (what
+#: its public ``get_kernelized_layers`` reads). kernelpolicy reads it through that function, and writes it
+#: only to put back what kernels recorded for the default kernel after binding a variant.
+KERNEL_REPO_ATTRIBUTE: Final = "_kernel_repo"
+
+
+def kernel_repository(module: Any, kernel: Any) -> str | None:
+    """Where the kernel ``kernel`` bound on ``module`` came from (``repo:layer``), or None when unknown.
+
+    kernels >= 0.19: its public ``get_kernelized_layers`` (the module's own entry). Older releases: kernels'
+    cache of loaded layers (:func:`cached_layer_repository`).
+    """
+    public = getattr(kernels(), "get_kernelized_layers", None)
+    if public is None:
+        return cached_layer_repository(kernel)
+    entry = public(module).layers.get("")
+    return describe_repository(entry.repo) if entry is not None else None
+
+
+def cached_layer_repository(kernel: Any) -> str | None:
+    """The repository of the loaded kernel layer whose ``forward`` is ``kernel`` (:data:`KERNELS_LAYER_CACHE`)."""
+    import inspect
+
+    cache = resolve(KERNELS_LAYER_CACHE)
+    for repo, layer in dict(cache or {}).items():
+        if inspect.getattr_static(layer, "forward", None) is kernel:
+            return describe_repository(repo)
+    return None
+
+
+def describe_repository(repo: Any) -> str:
+    """``repo_id_or_path:layer_name`` of a kernels repository object (``str(repo)`` when it has neither)."""
+    where = getattr(repo, "_repo_id", None) or getattr(repo, "_repo_path", None)
+    name = getattr(repo, "layer_name", None) or getattr(repo, "func_name", None)
+    return f"{where}:{name}" if where else str(name or repo)
+
+
+def kernels_loaded_a_layer() -> bool:
+    """Whether kernels has loaded any kernel layer in this process (True when it cannot tell)."""
+    public = getattr(kernels(), "get_loaded_kernels", None)
+    if public is not None and public():
+        return True
+    cache = resolve(KERNELS_LAYER_CACHE)
+    return True if cache is None else bool(cache)

@@ -83,7 +83,7 @@ from torch.compiler import is_dynamo_compiling as _is_dynamo
 
 from . import _state
 from ._active import DEFAULTS, RECOMPUTED_WITH_GRAD, RECORDERS, UNRECORDED, register_layer_name
-from ._compat import DYNAMO_DISABLE_MARK
+from ._compat import DYNAMO_DISABLE_MARK, kernel_repository
 from ._errors import KernelMismatchError, KernelUnavailableError, OriginalUnavailableError, unavailable_message
 from ._persisted import checked, persisting  # noqa: F401 - read by the generated forwards
 from ._policy import DEFAULT_VARIANT, VARIANTS, exception_types, variant_names
@@ -297,8 +297,9 @@ class Binding:
         """The bound kernel as ``explain`` shows it: its repository and layer when known, else its class; None without."""
         if self.kernel is None:
             return None
-        if self.repository is not None:
-            return self.repository
+        repository = self.repository or kernel_repository(self.module, self.kernel)
+        if repository is not None:
+            return repository
         if self.kernel_class is not None:
             return f"{self.kernel_class.__module__}.{self.kernel_class.__qualname__}"
         return str(getattr(self.kernel, "__qualname__", self.kernel))

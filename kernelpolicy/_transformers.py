@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any, Final, NamedTuple
 from torch import nn
 from torch.compiler import is_dynamo_compiling as _is_dynamo
 
+from . import _compat
 from ._active import DEFAULTS, UNRECORDED
 from ._binding import ATTACH_HOOKS, NO_ORIGINAL, _make_class_aware, binding_of
 from ._errors import PolicyError
@@ -245,9 +246,10 @@ def lazily_loaded() -> tuple[str, ...]:
 
     Each as ``"name (repo)"``; empty when transformers is not imported.
     """
-    hub_kernels = sys.modules.get("transformers.integrations.hub_kernels")
-    loaded = getattr(hub_kernels, "_KERNEL_MODULE_MAPPING", {})
-    repos = getattr(hub_kernels, "_HUB_KERNEL_MAPPING", {})
+    if "transformers" not in sys.modules:
+        return ()
+    loaded = _compat.resolve(_compat.TRANSFORMERS_LAZY_KERNELS) or {}
+    repos = _compat.resolve(_compat.TRANSFORMERS_LAZY_REPOS) or {}
     return tuple(
         f"{name} ({repos.get(name, {}).get('repo_id', 'a local package')})"
         for name, module in sorted(loaded.items())

@@ -134,11 +134,11 @@ def test_older_release_is_refused_with_both_versions() -> None:
 
 def test_newer_release_warns_once(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_compat, "_warned", set())
-    with pytest.warns(UserWarning, match=r"tested with kernels>=0\.16,<0\.18; installed: kernels 0\.19\.0"):
-        check_version("kernels", "0.19.0")
+    with pytest.warns(UserWarning, match=r"tested with kernels>=0\.16,<0\.20; installed: kernels 0\.20\.0"):
+        check_version("kernels", "0.20.0")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        check_version("kernels", "0.19.1")
+        check_version("kernels", "0.20.1")
 
 
 @pytest.mark.parametrize("version", ["2.9.0", "2.15.0+cu132", "2.10.0a0+git1"])

@@ -1,0 +1,203 @@
+"""A private name of kernels or transformers that moves: each feature falls back or says so once, never silently.
+
+Each test hides one entry of ``_compat.INTERNALS`` (its names replaced by a location that does not exist, as a
+release that moved it would look) and runs the features that read it on real kernelized models, with real
+local kernel repositories (the test kernel adds 100: the path shows in every output). Also: a kernels
+release newer than the tested range, simulated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import kernels
+import pytest
+import torch
+
+import kernelpolicy as kp
+from kernelpolicy import _active, _autoattach, _compat, _watch
+from kernelpolicy._binding import binding_of
+from kernelpolicy._compat import Internal
+from kernelpolicy.testing import DemoModel
+
+X = torch.ones(2, 16)
+DOCTOR = "Run `python -m kernelpolicy doctor` for what moved."
+
+
+def hide(monkeypatch: pytest.MonkeyPatch, attribute: str) -> Internal:
+    """Hide ``_compat.<attribute>``: its names point nowhere, as after a release that moved it."""
+    internal: Internal = getattr(_compat, attribute)
+    moved = dataclasses.replace(internal, names=tuple(f"kernelpolicy_moved.{name}" for name in internal.names))
+    monkeypatch.setattr(_compat, attribute, moved)
+    monkeypatch.setattr(_compat, "_told", set())
+    return moved
+
+
+@pytest.fixture
+def unwatched(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """kernels' binding function as kernels has it (no watch), and the watch not tried yet."""
+    owner_name, _, attribute = str(_compat.first_present(_compat.KERNELS_BIND)).rpartition(".")
+    owner = sys.modules[owner_name]
+    bind = getattr(owner, attribute)
+    monkeypatch.setattr(owner, attribute, getattr(bind, "__wrapped__", bind))
+    monkeypatch.setattr(_watch, "_WATCHING", None)
+    monkeypatch.setattr(_autoattach, "_LOOKED", False)
+    monkeypatch.setattr(_autoattach, "_WARNED", False)
+    _autoattach._UNATTACHED.clear()
+    checks = list(_active.POLICY_CHECKS)
+    if _autoattach._check not in _active.POLICY_CHECKS:
+        _active.POLICY_CHECKS.append(_autoattach._check)
+    yield
+    _active.POLICY_CHECKS[:] = checks
+    monkeypatch.undo()  # kernels' own function back before the watch is tried again
+    _watch._WATCHING = None
+    _watch.watch()
+
+
+def plain(mapping: Callable[[str], Any], kind: str = "traceable") -> DemoModel:
+    """A DemoModel (3 RMSNorm layers) kernelized by kernels alone."""
+    model = DemoModel(16).eval()
+    with mapping(kind):
+        kernels.kernelize(model, mode=kernels.Mode.INFERENCE, device="cpu")
+    return model
+
+
+def told(records: list[warnings.WarningMessage], internal: Internal) -> list[str]:
+    return [str(w.message) for w in records if internal.names[0] in str(w.message)]
+
+
+def test_every_kernels_and_transformers_entry_is_hidden_by_a_test_here() -> None:
+    hidden = {"KERNELS_BIND", "KERNELS_LAYER_CACHE", "TRANSFORMERS_LAZY_KERNELS", "TRANSFORMERS_LAZY_REPOS"}
+    entries = {
+        name
+        for name, value in vars(_compat).items()
+        if isinstance(value, Internal) and value.names[0].startswith(("kernels", "transformers"))
+    }
+    assert entries == hidden
+
+
+@pytest.mark.usefixtures("unwatched")
+def test_without_kernels_binding_function_auto_attach_says_so_once_and_attaches_what_is_bound(
+    monkeypatch: pytest.MonkeyPatch, mapping: Callable[[str], Any]
+) -> None:
+    moved = hide(monkeypatch, "KERNELS_BIND")
+    before = plain(mapping)
+    with warnings.catch_warnings(record=True) as records:
+        warnings.simplefilter("always")
+        previous = kp.auto_attach()  # no ModuleNotFoundError, no RuntimeError
+        kp.auto_attach()
+    try:
+        [message] = told(records, moved)
+        assert "kernelpolicy sees kernels bind a layer" in message and message.endswith(DOCTOR)
+        assert "auto_attach makes policy-aware only the modules bound before it is called" in message
+        assert [w.filename for w in records if moved.names[0] in str(w.message)] == [__file__]
+        # what kernels bound before is policy-aware: the policy reaches it
+        assert all(binding_of(m) is not None for m in (before.norm, before.blocks[0][1]))
+        with kp.kernels_disabled():
+            assert before(X).mean().item() < 50
+        assert before(X).mean().item() > 50
+    finally:
+        kp.auto_attach(previous)
+
+
+@pytest.mark.usefixtures("unwatched")
+def test_without_kernels_binding_function_a_policy_that_misses_modules_still_warns(
+    monkeypatch: pytest.MonkeyPatch, mapping: Callable[[str], Any]
+) -> None:
+    moved = hide(monkeypatch, "KERNELS_BIND")
+    model = plain(mapping)
+    with warnings.catch_warnings(record=True) as records:
+        warnings.simplefilter("always")
+        with kp.kernels_disabled():
+            assert model(X).mean().item() > 50  # unattached: kernels' path, as the warning says
+    assert len(told(records, moved)) == 1
+    [missed] = [str(w.message) for w in records if "does not reach" in str(w.message)]
+    assert "3 RMSNorm (kernel layer 'RMSNorm', runs its kernel)" in missed
+
+
+@pytest.mark.usefixtures("unwatched")
+def test_without_kernels_binding_function_a_removed_forward_is_noticed_by_explain_and_kernelize(
+    monkeypatch: pytest.MonkeyPatch, mapping: Callable[[str], Any]
+) -> None:
+    hide(monkeypatch, "KERNELS_BIND")
+    with mapping("traceable"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = kp.kernelize(DemoModel(16).eval(), mode="inference", device="cpu")
+        other = kp.kernelize(DemoModel(16).eval(), mode="inference", device="cpu")
+    assert model(X).mean().item() > 50 and other(X).mean().item() > 50
+    with mapping("no_backward"):  # training: no kernel with backward, so kernels falls back on every layer
+        kp.kernelize(model, mode="training", device="cpu")  # kernelpolicy's: takes in what kernels did
+        kernels.kernelize(other, mode=kernels.Mode.TRAINING, device="cpu")  # kernels' alone: explain notices
+    for kernelized in (model, other):
+        rows = {row.name: row for row in kp.explain(kernelized).rows}
+        assert rows["norm"].kernel is None and rows["norm"].path == "original"
+        with pytest.raises(kp.KernelUnavailableError, match="no kernel bound"), kp.kernel_policy("require"):
+            kernelized(X)
+        assert kernelized(X).mean().item() < 50
+
+
+def test_without_kernels_layer_cache_explain_still_names_what_it_can(
+    monkeypatch: pytest.MonkeyPatch, kernel_repos: dict[str, Any], mapping: Callable[[str], Any]
+) -> None:
+    moved = hide(monkeypatch, "KERNELS_LAYER_CACHE")
+    with mapping("traceable"):
+        model = kp.kernelize(DemoModel(16).eval(), mode="inference", device="cpu")
+    with warnings.catch_warnings(record=True) as records:
+        warnings.simplefilter("always")
+        table = str(kp.explain(model))
+        str(kp.explain(model))
+    if hasattr(kernels, "get_kernelized_layers"):  # kernels >= 0.19 (and 0.18.3): the public way, no warning
+        assert str(kernel_repos["traceable"]) in table
+        assert told(records, moved) == []
+    else:
+        assert "RMSNorm" in table  # the kernel class, without its repository
+        [message] = told(records, moved)
+        assert "explain shows the kernel class without its repository" in message
+    with kp.kernels_disabled():
+        assert model(X).mean().item() < 50
+
+
+@pytest.mark.parametrize("attribute", ["TRANSFORMERS_LAZY_KERNELS", "TRANSFORMERS_LAZY_REPOS"])
+def test_without_transformers_lazy_kernel_tables_explain_says_so_once(
+    monkeypatch: pytest.MonkeyPatch, attribute: str
+) -> None:
+    pytest.importorskip("transformers")
+    from kernelpolicy.testing import tiny_llama
+
+    moved = hide(monkeypatch, attribute)
+    model = kp.attach(tiny_llama())
+    with warnings.catch_warnings(record=True) as records:
+        warnings.simplefilter("always")
+        kp.explain(model)
+        kp.explain(model)
+    [message] = told(records, moved)
+    assert str(moved.fallback) in message and message.endswith(DOCTOR)
+
+
+@pytest.mark.usefixtures("unwatched")
+def test_a_kernels_newer_than_tested_warns_once_and_every_feature_still_runs(
+    monkeypatch: pytest.MonkeyPatch, mapping: Callable[[str], Any]
+) -> None:
+    """Simulated: kernels 0.20.0 with its binding function moved again."""
+    monkeypatch.setattr(_compat.metadata, "version", lambda package: "0.20.0")
+    monkeypatch.setattr(_compat, "_warned", set())
+    _compat.kernels.cache_clear()
+    monkeypatch.setattr(_compat, "kernels", _compat.kernels)  # cleared again on undo
+    moved = hide(monkeypatch, "KERNELS_BIND")
+    with warnings.catch_warnings(record=True) as records:
+        warnings.simplefilter("always")
+        with mapping("traceable"):
+            model = kp.kernelize(DemoModel(16).eval(), mode="inference", device="cpu")
+        previous = kp.auto_attach()
+        kp.auto_attach(previous)
+    messages = [str(w.message) for w in records]
+    assert sum("tested with kernels>=0.16,<0.20; installed: kernels 0.20.0" in m for m in messages) == 1
+    assert len(told(records, moved)) == 1
+    assert model(X).mean().item() > 50
+    with kp.kernels_disabled():
+        assert model(X).mean().item() < 50
+    _compat.kernels.cache_clear()
