@@ -42,6 +42,9 @@ imports none of them.
 - :data:`NO_ORIGINAL`: called for each class forward a module is bound with,
   as ``check(forward)``; a string says why there is no original forward
   (transformers' fused layouts), and a call that would run it raises.
+- :data:`ORIGINALS`: called likewise as ``replace(forward, layer_name)``; a
+  function returned is the module's original forward instead (transformers'
+  functions with a package fallback: the torch path under ``disable``).
 """
 
 from __future__ import annotations
@@ -83,6 +86,7 @@ __all__ = [
     "ATTACH_HOOKS",
     "KERNELIZING",
     "NO_ORIGINAL",
+    "ORIGINALS",
     "attach",
     "binding_of",
     "bound_forward",
@@ -109,6 +113,8 @@ M = TypeVar("M", bound=nn.Module)
 ATTACH_HOOKS: list[Callable[[nn.Module, Mapping[str, Any]], None]] = []
 #: ``check(class_forward) -> reason or None``: why a module has no original forward (see the module docstring).
 NO_ORIGINAL: list[Callable[[Callable[..., Any]], str | None]] = []
+#: ``replace(class_forward, layer_name) -> original or None``: another original forward (see the module docstring).
+ORIGINALS: list[Callable[[Callable[..., Any], str], Callable[..., Any] | None]] = []
 #: True while :func:`kernelize` runs ``kernels.kernelize``: it attaches the model itself, with its options.
 KERNELIZING: ContextVar[bool] = ContextVar("kernelpolicy.kernelizing", default=False)
 # The variant name :func:`kernelize` binds kernels under while kernels.kernelize runs (None: the default kernel).
@@ -490,10 +496,12 @@ def _bind(module: nn.Module, assigned: Any, module_name: str | None) -> None:
         module.__dict__["forward"] = make_forward(existing)
         return
     no_original = next((reason for check in NO_ORIGINAL if (reason := check(original)) is not None), None)
+    layer_name = str(type(module).kernel_layer_name)  # type: ignore[attr-defined]
+    original = next((found for replace in ORIGINALS if (found := replace(original, layer_name))), original)
     binding = Binding(
         module=module,
         module_name=module_name,
-        layer_name=str(type(module).kernel_layer_name),  # type: ignore[attr-defined]
+        layer_name=layer_name,
         original=_on_own_module(module, original),
         kernel=kernel,
         kernel_class=kernel_class,

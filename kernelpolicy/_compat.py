@@ -54,6 +54,7 @@ __all__ = [
     "UnsupportedVersionError",
     "check_torch",
     "check_version",
+    "kernel_function_of",
     "kernel_repository",
     "kernels",
     "lookup",
@@ -375,6 +376,19 @@ def routes_by_module(forward: Any) -> bool:
         and code is not None
         and "_ACTIVE_KERNEL_FUNCS" in code.co_names
     )
+
+
+def kernel_function_of(forward: Any) -> Any:
+    """The function a kernels function module wraps, from its class's ``forward``; None if it is not one.
+
+    ``use_kernel_forward_from_hub`` on a function builds a module class whose ``forward`` calls the function
+    through its closure variable ``func`` (kernels 0.16-0.19).
+    """
+    if getattr(forward, "__qualname__", "") != "_create_func_module.<locals>.Func.forward":
+        return None
+    import inspect
+
+    return inspect.getclosurevars(forward).nonlocals.get("func")
 
 
 #: The instance attribute in which kernels >= 0.19 records the repository a module's kernel came from (what

@@ -13,6 +13,11 @@ policy-aware modules like any other (``_binding``). This module owns the rest:
   loads for quantized and MoE layers, which no policy reaches; ``explain`` lists them.
 - **Fused layouts** (:func:`fused_layout`): a kernel fusion's layout class has no
   original forward, so a policy that would run it raises instead of returning ``None``.
+- **Functions with a package fallback** (:func:`package_fallback`):
+  ``use_kernel_func_from_hub_with_fallback`` runs the hub kernel, else an original package (FLA,
+  mamba-ssm) on the devices it supports, else torch. ``disable`` turns every optimized implementation
+  off, so it takes the torch path; ``prefer`` without a hub kernel runs what transformers runs without
+  one (the package where it runs); ``require`` runs the hub kernel or raises.
 
 transformers resolves attention by name at every call: each attention layer
 calls ``ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation)``
@@ -38,6 +43,7 @@ the call), as the mask is built before the first attention layer runs.
 
 from __future__ import annotations
 
+import functools
 import sys
 import threading
 import types
@@ -48,7 +54,7 @@ from torch.compiler import is_dynamo_compiling as _is_dynamo
 
 from . import _compat
 from ._active import DEFAULTS, UNRECORDED
-from ._binding import ATTACH_HOOKS, NO_ORIGINAL, _make_class_aware, binding_of
+from ._binding import ATTACH_HOOKS, NO_ORIGINAL, ORIGINALS, _make_class_aware, binding_of
 from ._errors import PolicyError
 from ._explain import ROW_SOURCES, UNGOVERNED_SOURCES, Ungoverned
 
@@ -65,6 +71,7 @@ __all__ = [
     "fused_layout",
     "hub_attention_of",
     "lazily_loaded",
+    "package_fallback",
 ]
 
 #: The kernel layer name of attention kernels in policies: ``kernel_policy(attention="disable")``.
@@ -279,6 +286,35 @@ def fused_layout(original: Callable[..., Any]) -> bool:
     )
 
 
+def package_fallback(forward: Callable[..., Any], layer_name: str) -> Callable[..., Any] | None:
+    """For a function module of ``use_kernel_func_from_hub_with_fallback``: its original, the torch path under disable.
+
+    The function such a module wraps is transformers' ``wrapped`` (the package where it runs, else torch),
+    made with ``functools.wraps`` of the torch function; anything else gets None (no replacement).
+    """
+    if "transformers" not in sys.modules:
+        return None
+    wrapped = _compat.kernel_function_of(forward)
+    code = getattr(wrapped, "__code__", None)
+    torch_function = getattr(wrapped, "__wrapped__", None)
+    if (
+        code is None
+        or torch_function is None
+        or code.co_name != "wrapped"  # functools.wraps copied the torch function's names, not its code
+        or not code.co_filename.replace("\\", "/").endswith("transformers/integrations/hub_kernels.py")
+    ):
+        return None
+
+    @functools.wraps(forward)
+    def original(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        entry = getattr(DEFAULTS.active._current.modes, layer_name)  # the table the forward read
+        if UNRECORDED.get(entry, entry) == "disable":
+            return torch_function(*args, **kwargs)
+        return forward(module, *args, **kwargs)
+
+    return original
+
+
 def _on_attach(model: nn.Module, options: Mapping[str, Any]) -> None:
     if "transformers" in sys.modules:  # no transformers model exists unless it is imported
         attach_attention(model, options.get("attention_fallback"))
@@ -303,5 +339,6 @@ def _attention_rows(model: nn.Module) -> list[tuple[str, Binding | Ungoverned]]:
 
 ATTACH_HOOKS.append(_on_attach)
 NO_ORIGINAL.append(_no_original)
+ORIGINALS.append(package_fallback)
 ROW_SOURCES.append(_attention_rows)
 UNGOVERNED_SOURCES.append(lazily_loaded)

@@ -188,6 +188,78 @@ def test_mamba2_function_kernel_with_package_fallback_obeys_the_policy(tmp_path:
     assert torch.equal(tokens, model.generate(ids, max_new_tokens=3, do_sample=False))
 
 
+SHIFT_KERNEL = """
+import torch
+from torch import nn
+
+
+class kp_shift(nn.Module):
+    can_torch_compile = True
+
+    def forward(self, x):
+        return x + 100
+"""
+
+
+def test_a_function_with_a_package_fallback_takes_the_torch_path_under_disable(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``use_kernel_func_from_hub_with_fallback``: the hub kernel (+100), else the package (+10), else torch.
+
+    The package is real (a folder on ``sys.path``, which transformers imports): without hub kernels
+    transformers runs it, and so does ``prefer``; ``disable`` turns every optimized implementation off and
+    runs the torch function; ``require`` runs the hub kernel or raises.
+    """
+    from torch import nn
+    from transformers.integrations import hub_kernels
+
+    from kernelpolicy.testing import write_kernel_repo
+
+    package = tmp_path / "kp_fake_package"
+    package.mkdir()
+    (package / "__init__.py").write_text("def kp_shift(x):\n    return x + 10\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    @hub_kernels.use_kernel_func_from_hub_with_fallback("kp_shift", "kp_fake_package")
+    def kp_shift(x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    @hub_kernels.use_kernelized_func(kp_shift)
+    class Block(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return kp_shift(x)  # type: ignore[no-any-return]
+
+    x = torch.zeros(2)
+    assert Block()(x).tolist() == [10.0, 10.0]  # plain transformers: the package
+    unkernelized = kp.attach(Block())
+    assert unkernelized(x).tolist() == [10.0, 10.0]
+    with kp.kernels_disabled():
+        assert unkernelized(x).tolist() == [0.0, 0.0]
+    with pytest.raises(kp.KernelUnavailableError, match="no kernel bound"), kp.kernel_policy(kp_shift="require"):
+        unkernelized(x)
+
+    # (kernels < 0.19 binds a function's one module for every model: from here on all of them have the kernel)
+    repo = write_kernel_repo(tmp_path / "repo", SHIFT_KERNEL, name="kp-shift")
+    model = kernelize_locally(Block(), {"kp_shift": repo})
+    assert model(x).tolist() == [100.0, 100.0]
+    with kp.kernel_policy(kp_shift="require"):
+        assert model(x).tolist() == [100.0, 100.0]
+    with kp.kernels_disabled():
+        assert model(x).tolist() == [0.0, 0.0]
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    assert compiled(x).tolist() == [100.0, 100.0]
+    with kp.kernels_disabled():
+        assert compiled(x).tolist() == [0.0, 0.0]
+    plain = Block()
+    with kp._compat.kernels().use_kernel_mapping(
+        {"kp_shift": {"cpu": kernels.LocalLayerRepository(repo_path=repo, layer_name="kp_shift")}}
+    ):
+        kernels.kernelize(plain, mode=kernels.Mode.INFERENCE, device="cpu")
+    assert plain(x).tolist() == [100.0, 100.0]  # kernels' own kernelize: the hub kernel
+    rows = {row.layer_name: row for row in kp.explain(model)}
+    assert rows["kp_shift"].path == "kernel" and rows["kp_shift"].kernel is not None
+
+
 FUSED_UP_KERNEL = """
 import torch
 from torch import nn
