@@ -752,18 +752,11 @@ def _aware_members(cls: type[nn.Module]) -> dict[str, Any]:
         dropped = binding.kernel_name() if binding is not None else None
         return (_restore, (_original_class(self), _own_state(self), None, _module_name(self), dropped))
 
+    def __copy__(self: nn.Module) -> nn.Module:
+        return _copied(self, _own_state(self))  # shallow, as copy.copy: parameters and buffers are shared
+
     def __deepcopy__(self: nn.Module, memo: dict[int, Any]) -> nn.Module:
-        binding = binding_of(self)
-        cls = _original_class(self)
-        new = cls.__new__(cls)
-        memo[id(self)] = new
-        new.__dict__.update(copy.deepcopy(_own_state(self), memo))
-        _rebind(new, binding.kernel if binding is not None else None, _module_name(self))
-        copied = binding_of(new)
-        if binding is not None and binding.variants and copied is not None:
-            copied.variants = dict(binding.variants)
-            new.__dict__["forward"] = make_forward(copied)
-        return new
+        return _copied(self, _own_state(self), memo)
 
     members: dict[str, Any] = {
         "_kernelpolicy_aware": True,
@@ -771,11 +764,117 @@ def _aware_members(cls: type[nn.Module]) -> dict[str, Any]:
         "__delattr__": __delattr__,
         "_slow_forward": _slow_forward,
         "__reduce_ex__": __reduce_ex__,
+        "__copy__": __copy__,
         "__deepcopy__": __deepcopy__,
     }
     if FAST_CALL and _plain_call(cls):
         members["__call__"] = _aware_call
+    members.update(_own_copy_members(cls))
     return members
+
+
+def _own_copy_members(cls: type[nn.Module]) -> dict[str, Any]:
+    """Copy and pickle support for a class that has its own (kernels >= 0.19's function wrappers).
+
+    Such a class copies and pickles itself with its kernel (a wrapper is rebuilt by name and gets its
+    kernel's forward back). Its own ``__copy__`` and ``__reduce__`` run here on a plain view of the module, as
+    kernels left it (:func:`_as_kernels_bound`), and the result is made policy-aware again.
+    """
+    members: dict[str, Any] = {}
+    parent_copy = _defined_below_module(cls, "__copy__")
+    parent_reduce = _defined_below_module(cls, "__reduce__")
+    parent_setstate: Callable[..., Any] = cls.__setstate__
+
+    if parent_copy is not None:
+
+        def __copy__(self: nn.Module) -> nn.Module:
+            new: nn.Module = parent_copy(_as_kernels_bound(self))
+            _make_copy_aware(new, self)
+            return new
+
+        members["__copy__"] = __copy__
+    if parent_reduce is not None:
+
+        def __reduce_ex__(self: nn.Module, protocol: Any) -> Any:
+            by_name = parent_reduce(self)
+            if isinstance(by_name, str):
+                return by_name  # the function's global module: pickled by its name
+            rebuild, arguments, *state = parent_reduce(_as_kernels_bound(self))
+            return (_restore_reduced, (rebuild, arguments, _module_name(self)), *state)
+
+        def __setstate__(self: nn.Module, state: Any) -> None:
+            pending = self.__dict__.pop(_PENDING, None)
+            parent_setstate(self, state)
+            if pending is not None:
+                _make_aware(self, pending[0])
+
+        members["__reduce_ex__"] = __reduce_ex__
+        members["__setstate__"] = __setstate__
+    return members
+
+
+def _defined_below_module(cls: type, name: str) -> Callable[..., Any] | None:
+    """``cls``'s own ``name`` (itself or a base below ``nn.Module``), or None if it only has nn.Module's or object's."""
+    for klass in cls.__mro__:
+        if klass is nn.Module or klass is object:
+            return None
+        if name in vars(klass) and not getattr(klass, "_kernelpolicy_aware", False):
+            return cast("Callable[..., Any]", vars(klass)[name])
+    return None
+
+
+_PENDING = "_kernelpolicy_pending"
+
+
+def _as_kernels_bound(module: nn.Module) -> nn.Module:
+    """A plain instance of ``module``'s original class with its own state and its kernel bound as kernels binds it."""
+    cls = _original_class(module)
+    view = cls.__new__(cls)
+    view.__dict__.update(_own_state(module))
+    binding = binding_of(module)
+    if binding is not None and binding.kernel is not None:
+        view.__dict__["forward"] = types.MethodType(binding.kernel, view)
+    return view
+
+
+def _make_copy_aware(new: nn.Module, source: nn.Module) -> None:
+    """Make ``new``, a copy of ``source`` made by its class's own code, policy-aware with ``source``'s variants."""
+    if not getattr(type(new), "_kernelpolicy_aware", False):
+        new.__class__ = _aware_class(type(new))
+    _make_aware(new, _module_name(source))
+    _copy_variants(source, new)
+
+
+def _restore_reduced(
+    rebuild: Callable[..., nn.Module], arguments: tuple[Any, ...], module_name: str | None
+) -> nn.Module:
+    """Unpickling a module pickled by its class's own ``__reduce__``: rebuild it, policy-aware once its state is set."""
+    module = rebuild(*arguments)
+    if not getattr(type(module), "_kernelpolicy_aware", False):
+        module.__class__ = _aware_class(type(module))
+    module.__dict__[_PENDING] = (module_name,)
+    return module
+
+
+def _copied(module: nn.Module, state: dict[str, Any], memo: dict[int, Any] | None = None) -> nn.Module:
+    """A copy of ``module`` with ``state`` (deep-copied with ``memo`` if given), its kernel and its variants."""
+    binding = binding_of(module)
+    cls = _original_class(module)
+    new = cls.__new__(cls)
+    if memo is not None:
+        memo[id(module)] = new
+        state = copy.deepcopy(state, memo)
+    new.__dict__.update(state)
+    _rebind(new, binding.kernel if binding is not None else None, _module_name(module))
+    _copy_variants(module, new)
+    return new
+
+
+def _copy_variants(source: nn.Module, new: nn.Module) -> None:
+    binding, copied = binding_of(source), binding_of(new)
+    if binding is not None and binding.variants and copied is not None:
+        copied.variants = dict(binding.variants)
+        new.__dict__["forward"] = make_forward(copied)
 
 
 def _original_class(module: nn.Module) -> type[nn.Module]:
