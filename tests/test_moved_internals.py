@@ -31,7 +31,7 @@ DOCTOR = "Run `python -m kernelpolicy doctor` for what moved."
 def hide(monkeypatch: pytest.MonkeyPatch, attribute: str) -> Internal:
     """Hide ``_compat.<attribute>``: its names point nowhere, as after a release that moved it."""
     internal: Internal = getattr(_compat, attribute)
-    moved = dataclasses.replace(internal, names=tuple(f"kernelpolicy_moved.{name}" for name in internal.names))
+    moved = dataclasses.replace(internal, names=tuple(name.replace(".", ".kp_moved_", 1) for name in internal.names))
     monkeypatch.setattr(_compat, attribute, moved)
     monkeypatch.setattr(_compat, "_told", set())
     return moved
@@ -201,3 +201,64 @@ def test_a_kernels_newer_than_tested_warns_once_and_every_feature_still_runs(
     with kp.kernels_disabled():
         assert model(X).mean().item() < 50
     _compat.kernels.cache_clear()
+
+
+# --- torch's trace-state readers, chosen at import: each hidden in a process of its own --------------
+
+HIDE_AND_RUN = """
+import dataclasses, pathlib, sys, tempfile, warnings
+
+import torch
+
+from kernelpolicy import _compat
+
+entry = sys.argv[1]
+internal = getattr(_compat, entry)
+moved = dataclasses.replace(internal, names=tuple(n.replace(".", ".kp_moved_", 1) for n in internal.names))
+setattr(_compat, entry, moved)
+_compat.INTERNALS = tuple(moved if found is internal else found for found in _compat.INTERNALS)
+
+import kernelpolicy as kp
+from kernelpolicy import _doctor, _state
+from kernelpolicy.testing import DemoModel, kernelize_locally, rms_norm_kernel_source, write_kernel_repo
+
+root = pathlib.Path(tempfile.mkdtemp())
+x = torch.ones(2, 16)
+traceable = kernelize_locally(
+    DemoModel(16).eval(), {"RMSNorm": write_kernel_repo(root / "t", rms_norm_kernel_source(can_torch_compile=True, offset=100.0))}
+)
+untraceable = kernelize_locally(
+    DemoModel(16).eval(), {"RMSNorm": write_kernel_repo(root / "u", rms_norm_kernel_source(can_torch_compile=False, offset=100.0))}
+)
+seen = {}
+seen["eager"] = (traceable(x).mean().item() > 50, kp.kernels_disabled()(traceable)(x).mean().item() > 50)
+compiled = torch.compile(traceable, backend="eager", fullgraph=True)
+seen["compile"] = (compiled(x).mean().item() > 50, kp.kernels_disabled()(compiled)(x).mean().item() > 50)
+seen["fx"] = torch.fx.symbolic_trace(untraceable)(x).mean().item() > 50
+seen["export"] = torch.export.export(untraceable, (x,)).module()(x).mean().item() > 50
+try:
+    with kp.kernel_policy("verify"):
+        seen["vmap"] = torch.func.vmap(traceable)(x.unsqueeze(1)).mean().item() > 50
+except RuntimeError as error:  # the documented fallback without the functorch stack: verify compares, vmap refuses
+    assert entry == "FUNCTORCH_STACK" and "vmap" in str(error), error
+    seen["vmap"] = True
+missing = [str(found) for found in _compat.probe() if not found.present]
+print(seen)
+print(missing)
+assert seen == {"eager": (True, False), "compile": (True, False), "fx": False, "export": False, "vmap": True}, seen
+assert len(missing) == 1 and "MISSING " + moved.names[0] in missing[0] and "falls back to" in missing[0], missing
+print("ok")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("entry", ["COMPILING_FLAG", "EXPORTING_FLAG", "FX_TRACING", "FUNCTORCH_STACK"])
+def test_a_hidden_torch_reader_falls_back_and_every_tracer_still_takes_its_path(entry: str, tmp_path: Any) -> None:
+    import subprocess
+
+    script = tmp_path / "hide.py"
+    script.write_text(HIDE_AND_RUN)
+    done = subprocess.run(
+        [sys.executable, str(script), entry], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout + done.stderr
