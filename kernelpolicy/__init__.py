@@ -78,7 +78,7 @@ _LAZY = {
 #: Features that plug into the core through its hook lists (``_binding.ATTACH_HOOKS`` and ``NO_ORIGINAL``,
 #: ``_explain.ROW_SOURCES`` and ``UNGOVERNED_SOURCES``) when imported: imported here, with the first name
 #: that needs torch, so that they are in place before any module is bound or explained.
-_FEATURES = ("._transformers", ".training")
+_FEATURES = ("._transformers", ".training", ".batching")
 
 
 def __getattr__(name: str) -> Any:

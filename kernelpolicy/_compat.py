@@ -47,11 +47,14 @@ if TYPE_CHECKING:
     from types import ModuleType
 
 __all__ = [
+    "BATCHING",
+    "BATCHING_MANAGER",
     "INTERNALS",
     "SUPPORTED",
     "Found",
     "Internal",
     "UnsupportedVersionError",
+    "all_present",
     "check_torch",
     "check_version",
     "kernel_function_of",
@@ -276,6 +279,36 @@ TRANSFORMERS_LAZY_REPOS = Internal(
     seen=("transformers 5.17-5.25",),
 )
 
+_CB = "transformers.generation.continuous_batching"
+_BATCHING_USE = "continuous batching carries each request's policy (kernelpolicy.batching)"
+_BATCHING_FALLBACK = (
+    "leaves the manager as transformers made it: its forward steps run under the process default policy, "
+    "whatever policy a request was submitted under"
+)
+#: transformers' batching manager, whose ``__init__`` kernelpolicy.batching wraps.
+BATCHING_MANAGER = Internal(
+    _BATCHING_USE,
+    (f"{_CB}.continuous_api.ContinuousBatchingManager",),
+    _BATCHING_FALLBACK,
+    seen=("transformers 5.22-5.25",),
+)
+#: The methods of transformers' batching machinery that kernelpolicy.batching wraps, per instance.
+BATCHING = tuple(
+    Internal(_BATCHING_USE, (f"{_CB}.{name}",), _BATCHING_FALLBACK, seen=("transformers 5.22-5.25",))
+    for name in (
+        "continuous_api.ContinuousBatchingManager._create_batch_processor",
+        "continuous_api.ContinuousBatchProcessor._generation_step",
+        "continuous_api.ContinuousBatchProcessor.update_batch",
+        "continuous_api.ContinuousBatchProcessor.handle_batch_error",
+        "continuous_api.ContinuousBatchProcessor.warmup",
+        "scheduler.Scheduler.schedule_batch",
+        "scheduler.Scheduler.finish_request",
+        "scheduler.Scheduler.clear_cancelled_requests",
+        "cache.PagedAttentionCache.search_prefix_match",
+        "cache_allocators.cache_allocator.CacheAllocator.mark_complete_blocks",
+    )
+)
+
 #: Every private name kernelpolicy reads.
 INTERNALS: tuple[Internal, ...] = (
     COMPILING_FLAG,
@@ -293,6 +326,8 @@ INTERNALS: tuple[Internal, ...] = (
     KERNELS_BIND,
     TRANSFORMERS_LAZY_KERNELS,
     TRANSFORMERS_LAZY_REPOS,
+    BATCHING_MANAGER,
+    *BATCHING,
 )
 
 _MISSING = object()
@@ -389,6 +424,11 @@ def kernel_function_of(forward: Any) -> Any:
     import inspect
 
     return inspect.getclosurevars(forward).nonlocals.get("func")
+
+
+def all_present(internals: tuple[Internal, ...]) -> bool:
+    """Whether every entry of ``internals`` is present; the user is told once of each one that is not."""
+    return all([resolve(internal) is not None for internal in internals])  # every one resolved: each is told
 
 
 #: The instance attribute in which kernels >= 0.19 records the repository a module's kernel came from (what

@@ -71,7 +71,14 @@ def told(records: list[warnings.WarningMessage], internal: Internal) -> list[str
 
 
 def test_every_kernels_and_transformers_entry_is_hidden_by_a_test_here() -> None:
-    hidden = {"KERNELS_BIND", "KERNELS_LAYER_CACHE", "TRANSFORMERS_LAZY_KERNELS", "TRANSFORMERS_LAZY_REPOS"}
+    # BATCHING_MANAGER: the class whose __init__ is wrapped, looked up once; BATCHING (a tuple) is hidden below
+    hidden = {
+        "KERNELS_BIND",
+        "KERNELS_LAYER_CACHE",
+        "TRANSFORMERS_LAZY_KERNELS",
+        "TRANSFORMERS_LAZY_REPOS",
+        "BATCHING_MANAGER",
+    }
     entries = {
         name
         for name, value in vars(_compat).items()
@@ -262,3 +269,54 @@ def test_a_hidden_torch_reader_falls_back_and_every_tracer_still_takes_its_path(
         [sys.executable, str(script), entry], capture_output=True, text=True, timeout=300, check=False
     )
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("index", range(len(_compat.BATCHING)))
+def test_without_a_seam_of_continuous_batching_managers_stay_as_made_and_the_user_is_told(
+    monkeypatch: pytest.MonkeyPatch, index: int
+) -> None:
+    pytest.importorskip("transformers")
+    from kernelpolicy import batching
+    from kernelpolicy.testing import tiny_llama
+
+    internal = _compat.BATCHING[index]
+    moved = dataclasses.replace(internal, names=tuple(n.replace(".", ".kp_moved_", 1) for n in internal.names))
+    monkeypatch.setattr(_compat, "BATCHING", tuple(moved if i == index else e for i, e in enumerate(_compat.BATCHING)))
+    monkeypatch.setattr(_compat, "_told", set())
+    model = kp.attach(tiny_llama())
+    with warnings.catch_warnings(record=True) as records:
+        warnings.simplefilter("always")
+        first = model.init_continuous_batching()
+        second = model.init_continuous_batching()
+    assert not hasattr(first, batching._MARK) and not hasattr(second, batching._MARK)
+    [message] = told(records, moved)
+    assert "continuous batching carries each request's policy" in message
+    assert "its forward steps run under the process default policy" in message and message.endswith(DOCTOR)
+    first.destroy()
+    second.destroy()
+
+
+def test_every_batching_seam_is_listed_in_internals() -> None:
+    assert set(_compat.BATCHING) | {_compat.BATCHING_MANAGER} <= set(_compat.INTERNALS)
+
+
+def test_without_the_batching_manager_class_install_says_so_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    transformers = pytest.importorskip("transformers")
+    from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
+
+    from kernelpolicy import batching
+    from kernelpolicy.testing import tiny_llama
+
+    init = ContinuousBatchingManager.__init__
+    monkeypatch.setattr(ContinuousBatchingManager, "__init__", getattr(init, "__wrapped__", init))
+    monkeypatch.setattr(batching, "_INSTALLED", False)
+    moved = hide(monkeypatch, "BATCHING_MANAGER")
+    with warnings.catch_warnings(record=True) as records:
+        warnings.simplefilter("always")
+        model = kp.attach(tiny_llama())  # attach installs the seam: here it cannot
+        kp.attach(model)
+        manager = model.init_continuous_batching()
+    assert not hasattr(manager, batching._MARK)
+    assert len(told(records, moved)) == 1
+    manager.destroy()
+    assert transformers is not None

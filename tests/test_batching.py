@@ -1,0 +1,186 @@
+"""Per-request policies in transformers' continuous batching: a real tiny Llama, real managers, real steps.
+
+The local RMSNorm kernel adds 0.5 to its output, so every greedy token sequence shows the path its
+requests took; each request's tokens are compared with the same prompt generated alone (``generate``)
+under its policy.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+import kernelpolicy as kp
+from kernelpolicy import batching
+from kernelpolicy.testing import kernelize_locally, rms_norm_kernel_source, tiny_llama, write_kernel_repo
+
+transformers = pytest.importorskip("transformers")
+from transformers.generation.configuration_utils import ContinuousBatchingConfig  # noqa: E402
+from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager  # noqa: E402
+
+NEW = 6
+PREFER, NORM_OFF, OFF = kp.Policy.parse("prefer"), kp.Policy.parse("RMSNorm=disable"), kp.Policy.parse("disable")
+
+
+def batching_config(**fields: Any) -> Any:
+    """A small KV cache (without ``num_blocks`` transformers takes most of the free memory)."""
+    return ContinuousBatchingConfig(**({"num_blocks": 64, "max_batch_tokens": 256, "block_size": 4} | fields))
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    repo = write_kernel_repo(
+        tmp_path_factory.mktemp("batching"), rms_norm_kernel_source(offset=0.5, can_torch_compile=True)
+    )
+    return kernelize_locally(tiny_llama(), {"RMSNorm": repo})
+
+
+@pytest.fixture(scope="module")
+def config() -> Any:
+    return transformers.GenerationConfig(max_new_tokens=NEW, do_sample=False, eos_token_id=-1, pad_token_id=0)
+
+
+def prompts(count: int, seed: int = 0) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(3, 12, (count,), generator=generator)
+    return [torch.randint(1, 256, (int(n),), generator=generator).tolist() for n in lengths]
+
+
+def solo(model: Any, config: Any, policy: kp.Policy, ids: list[int]) -> list[int]:
+    with kp.kernel_policy(policy):
+        out = model.generate(torch.tensor([ids]), generation_config=config)
+    return list(out[0, len(ids) :].tolist())
+
+
+@pytest.fixture
+def manager(model: Any, config: Any) -> Iterator[Any]:
+    manager = model.init_continuous_batching(generation_config=config, continuous_batching_config=batching_config())
+    manager.start()
+    yield manager
+    manager.stop(block=True, timeout=30)
+
+
+def run(manager: Any, submissions: list[tuple[kp.Policy, list[int]]]) -> list[Any]:
+    """Submit each prompt under its policy (all before the first result), then each request's final output."""
+    ids = []
+    for policy, prompt in submissions:
+        with kp.kernel_policy(policy):
+            ids.append(manager.add_request(prompt, max_new_tokens=NEW))
+    results: dict[str, Any] = {}
+    while len(results) < len(ids):
+        result = manager.get_result(timeout=30)
+        assert result is not None, f"no result after 30 s; have {sorted(results)}"
+        if result.is_finished():
+            results[result.request_id] = result
+    return [results[i] for i in ids]
+
+
+def test_mixed_policies_in_one_manager_each_get_their_solo_tokens(model: Any, config: Any, manager: Any) -> None:
+    """12 requests in flight at once, in 3 policies: every request's tokens are those of its policy alone."""
+    submissions = [((PREFER, NORM_OFF, OFF)[i % 3], prompt) for i, prompt in enumerate(prompts(12))]
+    expected = [solo(model, config, policy, prompt) for policy, prompt in submissions]
+    assert expected[0] != solo(model, config, OFF, submissions[0][1])  # the kernel changes the tokens
+    outputs = run(manager, submissions)
+    assert [output.generated_tokens for output in outputs] == expected
+    assert all(output.error is None for output in outputs)
+
+
+def test_without_the_seam_the_policy_is_lost(model: Any, config: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The control: a manager transformers made alone runs every step in its own thread's default."""
+    init = ContinuousBatchingManager.__init__
+    monkeypatch.setattr(ContinuousBatchingManager, "__init__", init.__wrapped__)  # type: ignore[attr-defined]
+    prompt = prompts(1)[0]
+    with kp.kernels_disabled():
+        [output] = model.generate_batch(
+            [prompt], generation_config=config, continuous_batching_config=batching_config()
+        ).values()
+    assert output.generated_tokens == solo(model, config, PREFER, prompt) != solo(model, config, OFF, prompt)
+
+
+def test_generate_batch_follows_the_scope_it_is_called_in(model: Any, config: Any) -> None:
+    chosen = prompts(3, seed=1)
+    for policy in (OFF, PREFER):
+        with kp.kernel_policy(policy):
+            outputs = model.generate_batch(
+                chosen, generation_config=config, continuous_batching_config=batching_config()
+            )
+        assert [o.generated_tokens for o in outputs.values()] == [solo(model, config, policy, p) for p in chosen]
+
+
+def test_recorders_count_the_calls_of_their_own_requests(manager: Any) -> None:
+    """Each block's recorder counts the steps that served its requests, on their path."""
+    prompt = prompts(1, seed=2)[0]
+    with kp.record_calls() as kernel_side, kp.kernel_policy(PREFER):
+        first = manager.add_request(prompt, max_new_tokens=NEW)
+    with kp.record_calls() as original_side, kp.kernel_policy(NORM_OFF):
+        second = manager.add_request(prompt, max_new_tokens=NEW)
+    done: set[str] = set()
+    while len(done) < 2:
+        result = manager.get_result(timeout=30)
+        assert result is not None
+        if result.is_finished():
+            done.add(result.request_id)
+    assert done == {first, second}
+    assert set(kernel_side.by_layer()["RMSNorm"]) == {"kernel"} and kernel_side.total() > 0
+    assert set(original_side.by_layer()["RMSNorm"]) == {"original"} and original_side.total() > 0
+
+
+def test_a_required_kernel_that_is_missing_fails_only_its_requests(model: Any, config: Any, manager: Any) -> None:
+    """``SiLU=require`` (no SiLU kernel is bound): those requests fail with the error, the others are served."""
+    required = kp.Policy.parse("SiLU=require")
+    submissions = [((PREFER, required, OFF)[i % 3], prompt) for i, prompt in enumerate(prompts(6, seed=3))]
+    outputs = run(manager, submissions)
+    for (policy, prompt), output in zip(submissions, outputs, strict=True):
+        if policy == required:
+            assert output.error is not None and "kernel required but unavailable" in output.error
+        else:
+            assert output.error is None and output.generated_tokens == solo(model, config, policy, prompt)
+    assert manager.is_running()
+    [after] = run(manager, [(PREFER, submissions[0][1])])  # the manager goes on serving
+    assert after.generated_tokens == outputs[0].generated_tokens
+
+
+def test_prefix_sharing_never_reuses_another_policys_blocks(
+    model: Any, config: Any, manager: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One long prompt under two policies, one after the other: the second may reuse only its own blocks."""
+    prompt = prompts(1, seed=4)[0] * 4  # several full 4-token blocks
+    [first] = run(manager, [(PREFER, prompt)])
+    [second] = run(manager, [(OFF, prompt)])
+    [again] = run(manager, [(PREFER, prompt)])  # reuses the first's blocks: same tokens
+    assert first.generated_tokens == again.generated_tokens == solo(model, config, PREFER, prompt)
+    assert second.generated_tokens == solo(model, config, OFF, prompt)
+
+
+def test_prefix_sharing_control_unsalted_blocks_leak_across_policies(
+    model: Any, config: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The control: without the salt, the second policy's request reuses the first's KV blocks."""
+    monkeypatch.setattr(batching, "_SALT", False)
+    manager = model.init_continuous_batching(generation_config=config, continuous_batching_config=batching_config())
+    manager.start()
+    try:
+        prompt = prompts(1, seed=4)[0] * 4
+        run(manager, [(PREFER, prompt)])
+        [second] = run(manager, [(OFF, prompt)])
+    finally:
+        manager.stop(block=True, timeout=30)
+    assert second.generated_tokens != solo(model, config, OFF, prompt)
+
+
+def test_the_turns_are_fair_between_policies(manager: Any) -> None:
+    """With two policies waiting, steps alternate between them: neither waits for the other to drain."""
+    requests = getattr(manager, batching._MARK)
+    before = len(requests.history)
+    outputs = run(manager, [((PREFER, OFF)[i % 2], prompt) for i, prompt in enumerate(prompts(8, seed=5))])
+    assert all(output.error is None for output in outputs)
+    steps = list(requests.history)[before:]
+    assert set(steps) == {PREFER, OFF}
+    first_done = min(max(i for i, policy in enumerate(steps) if policy == chosen) for chosen in (PREFER, OFF))
+    longest = max(len(list(run)) for _, run in itertools.groupby(steps[: first_done + 1]))
+    assert longest <= 2, steps
+    assert requests.by_id == {}  # finished requests are forgotten
