@@ -163,3 +163,22 @@ def test_the_persisted_benchmark_times_the_policy_check() -> None:
         "kernelpolicy::policy_check alone",
     ]
     assert len(results) == 8 and all(m.median > 0 for m in results)
+
+
+def test_the_batching_benchmark_times_each_mix(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("transformers")
+    from kernelpolicy import _compat
+
+    if not all(_compat.first_present(seam) for seam in _compat.BATCHING):
+        pytest.skip("this transformers has not the batching seams of 5.22-5.25")
+    from benchmarks import batching
+
+    results = batching.main(rounds=1, requests=4, new_tokens=3)
+    assert [m.task_spec.sub_label for m in results] == [
+        "transformers alone",
+        "kernelpolicy, 1 policy",
+        "kernelpolicy, 2 policies",
+        "kernelpolicy, 4 policies",
+    ]
+    assert all(m.median > 0 for m in results)
+    assert "kernelpolicy, 4 policies" in capsys.readouterr().out

@@ -279,6 +279,8 @@ def test_without_a_seam_of_continuous_batching_managers_stay_as_made_and_the_use
     from kernelpolicy import batching
     from kernelpolicy.testing import tiny_llama
 
+    if not all(_compat.first_present(seam) for seam in _compat.BATCHING):
+        pytest.skip("this transformers has not the batching seams of 5.22-5.25: every manager tells")
     internal = _compat.BATCHING[index]
     moved = dataclasses.replace(internal, names=tuple(n.replace(".", ".kp_moved_", 1) for n in internal.names))
     monkeypatch.setattr(_compat, "BATCHING", tuple(moved if i == index else e for i, e in enumerate(_compat.BATCHING)))
