@@ -1,4 +1,4 @@
-"""Command line: ``python -m kernelpolicy demo`` and ``python -m kernelpolicy doctor``."""
+"""Command line: ``python -m kernelpolicy demo``, ``doctor`` and ``serve``."""
 
 from __future__ import annotations
 
@@ -9,12 +9,22 @@ DESCRIPTION = "kernelpolicy: decide at every forward call whether a layer runs i
 
 
 def main(argv: list[str] | None = None) -> int:
+    arguments = sys.argv[1:] if argv is None else argv
+    if arguments[:1] == ["serve"]:  # its options are transformers serve's: handed on as they are
+        from .serving import main as serve
+
+        return serve(arguments[1:])
     parser = argparse.ArgumentParser(prog="python -m kernelpolicy", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("demo", help="kernelize a tiny model with a local kernel and show the path under several policies")
     doctor_parser = sub.add_parser("doctor", help="check that policies reach eager, traced and compiled calls here")
     doctor_parser.add_argument("--verbose", action="store_true", help="also the internals: mechanism, private names")
-    args = parser.parse_args(argv)
+    sub.add_parser(
+        "serve",
+        help="transformers serve with a policy per request (X-Kernel-Policy header): serve [--kernel NAME=PATH] "
+        "MODEL [transformers serve options]",
+    )
+    args = parser.parse_args(arguments)
     if args.command == "demo":
         from ._demo import demo
 

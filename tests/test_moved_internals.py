@@ -78,6 +78,11 @@ def test_every_kernels_and_transformers_entry_is_hidden_by_a_test_here() -> None
         "TRANSFORMERS_LAZY_KERNELS",
         "TRANSFORMERS_LAZY_REPOS",
         "BATCHING_MANAGER",
+        "SERVING_BUILD",
+        "SERVING_SEND",
+        "SERVING_ENGINE",
+        "SERVING_GENERATE",
+        "SERVING_CB_GENERATE",
     }
     entries = {
         name
@@ -322,3 +327,27 @@ def test_without_the_batching_manager_class_install_says_so_once(monkeypatch: py
     assert len(told(records, moved)) == 1
     manager.destroy()
     assert transformers is not None
+
+
+@pytest.mark.parametrize(
+    "attribute", ["SERVING_BUILD", "SERVING_SEND", "SERVING_ENGINE", "SERVING_GENERATE", "SERVING_CB_GENERATE"]
+)
+def test_without_a_seam_of_transformers_serve_the_command_refuses_to_start(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], attribute: str
+) -> None:
+    """Rather than serve every request under one policy: the command says so, and the doctor lists the name."""
+    pytest.importorskip("transformers")
+    from kernelpolicy import serving
+
+    moved = hide(monkeypatch, attribute)
+    monkeypatch.setattr(
+        _compat,
+        "SERVING_RUNNERS",
+        tuple(getattr(_compat, name) for name in ("SERVING_ENGINE", "SERVING_GENERATE", "SERVING_CB_GENERATE")),
+    )
+    with warnings.catch_warnings(record=True) as records:
+        warnings.simplefilter("always")
+        assert serving.main(["model-that-is-never-loaded"]) == 1
+    assert "lacks the seams a policy travels through" in capsys.readouterr().err
+    [message] = told(records, moved)
+    assert "serve refuses to start" in message and message.endswith(DOCTOR)

@@ -1,0 +1,232 @@
+"""``python -m kernelpolicy serve MODEL ...``: transformers' own server (``transformers serve``), a policy per request.
+
+The ``X-Kernel-Policy`` header (the policy text syntax: ``disable``, ``RMSNorm=disable``, ``prefer,SiLU=require``)
+chooses the policy of one request on every OpenAI-compatible route (chat completions, completions, responses),
+streaming or not. A malformed header gets a 400 JSON error in OpenAI's shape, and the server goes on serving.
+No header: the server's default (``KERNELPOLICY``, else ``prefer``).
+
+How the policy travels: transformers serve parses HTTP in an API server process and runs the model in an
+engine process of its own (spawned), joined by queues. This module owns the three seams:
+
+- **API server**: a middleware reads and checks the header and runs the request inside that policy's scope;
+  the engine client puts the policy in effect (as text) into the request it queues;
+- **engine process**: the engine's entry point is this module's (picklable by name, so the spawned process
+  imports kernelpolicy): it makes the loaded model policy-aware (``auto_attach`` before loading, ``attach``
+  after, or ``kernelize`` with the local kernel repositories of ``--kernel NAME=PATH``), and runs each
+  request's hand-over to the model inside its policy's scope;
+- **the model**: with ``--continuous-batching``, the batching manager carries each request's policy
+  (:mod:`kernelpolicy.batching`: one policy per forward step); without, the one-at-a-time runner's thread
+  runs each request under its own (``propagate``).
+
+The seams are transformers' private names (``_compat.SERVING``): where one is missing, the command says so
+and stops, before serving anything, rather than serving every request under one policy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+from . import _compat
+from ._errors import PolicyError
+from ._policy import Policy
+
+__all__ = ["HEADER", "MAX_HEADER", "main", "parse_header"]
+
+#: The request header that chooses a request's policy.
+HEADER = "X-Kernel-Policy"
+#: The longest header value taken (longer: 400); a policy is a few dozen characters.
+MAX_HEADER = 1024
+#: The key under which a request's policy travels to the engine, in its generation settings.
+_KEY = "_kernelpolicy"
+#: The environment variable the launcher hands the local kernel repositories to the engine in (JSON).
+KERNELS_ENV = "KERNELPOLICY_SERVE_KERNELS"
+
+
+def parse_header(value: bytes) -> Policy:
+    """The policy of a raw ``X-Kernel-Policy`` header value; :class:`PolicyError` naming what is wrong."""
+    if len(value) > MAX_HEADER:
+        raise PolicyError(f"header {HEADER} is {len(value)} bytes long; at most {MAX_HEADER} are taken")
+    try:
+        text = value.decode("ascii")
+    except UnicodeDecodeError:
+        raise PolicyError(f"header {HEADER} must be ASCII text, got {value[:100]!r}") from None
+    return Policy.parse(text, source=f"header {HEADER}")
+
+
+class PolicyHeader:
+    """ASGI middleware: the request runs inside the scope of its ``X-Kernel-Policy`` header (400 if malformed)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        values = [value for name, value in scope["headers"] if name == HEADER.lower().encode()]
+        if not values:
+            await self.app(scope, receive, send)
+            return
+        try:
+            if len(values) > 1:
+                raise PolicyError(f"header {HEADER} given {len(values)} times; give it once")
+            policy = parse_header(values[0])
+        except PolicyError as error:
+            await _json_error(send, str(error)[:2000], 400)
+            return
+        from ._scope import kernel_policy
+
+        with kernel_policy(policy):
+            await self.app(scope, receive, send)
+
+
+async def _json_error(send: Any, message: str, status: int) -> None:
+    body = json.dumps(
+        {"error": {"message": message, "type": "invalid_request_error", "param": HEADER, "code": None}}
+    ).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+# --- the API server's side ------------------------------------------------------------------------
+
+
+def _install_api_side() -> None:
+    """Every app transformers builds gets the middleware; every request queued carries its policy."""
+    server = _compat.lookup(_owner(_compat.SERVING_BUILD))
+    build = _compat.lookup(_compat.SERVING_BUILD.names[0])
+
+    def build_server(*args: Any, **kwargs: Any) -> Any:
+        app = build(*args, **kwargs)
+        app.add_middleware(PolicyHeader)
+        return app
+
+    server.build_server = build_server
+    client = _compat.lookup(_owner(_compat.SERVING_SEND))
+    send = client._send_request
+
+    async def _send_request(self: Any, method: str, args: tuple[Any, ...], streamer: Any = None) -> Any:
+        if method == "generate":
+            from ._active import current_policy
+
+            inputs, settings = args
+            args = (inputs, {**settings, _KEY: str(current_policy())})
+        return await send(self, method, args, streamer)
+
+    client._send_request = _send_request
+    client.run_engine = staticmethod(run_engine)
+
+
+# --- the engine's side ------------------------------------------------------------------------------
+
+
+def run_engine(load: Any, *args: Any) -> None:
+    """The engine process's entry point (``EngineClient.run_engine``, made policy-aware first)."""
+    _install_engine_side()
+    client = _compat.lookup(_owner(_compat.SERVING_SEND))
+    client.run_engine(_policy_aware_load(load), *args)
+
+
+def _policy_aware_load(load: Any) -> Any:
+    def loaded(*args: Any, **kwargs: Any) -> Any:
+        from . import _binding as kernelpolicy  # attach, kernelize
+        from . import _transformers, training  # noqa: F401 - their attach hooks (hub attention, checkpointing)
+        from ._autoattach import auto_attach
+
+        repos = json.loads(os.environ.get(KERNELS_ENV) or "{}")
+        previous = auto_attach()  # hub kernels transformers binds while loading
+        try:
+            model, processor = load(*args, **kwargs)
+        finally:
+            auto_attach(previous)
+        if repos:
+            from pathlib import Path
+
+            kernels = _compat.kernels()
+            device = str(model.device.type)
+            mapping = {
+                name: {device: kernels.LocalLayerRepository(repo_path=Path(path), layer_name=name)}
+                for name, path in repos.items()
+            }
+            with kernels.use_kernel_mapping(mapping):
+                kernelpolicy.kernelize(model, mode="inference", device=device)
+        kernelpolicy.attach(model)
+        return model, processor
+
+    return loaded
+
+
+def _install_engine_side() -> None:
+    from . import batching
+    from ._scope import kernel_policy, propagate
+
+    batching.install()
+    for internal in (_compat.SERVING_GENERATE, _compat.SERVING_CB_GENERATE):
+        owner = _compat.lookup(_owner(internal))
+        generate = owner.__dict__["generate"]
+
+        def policy_generate(
+            self: Any, request_id: int, inputs: Any, settings: dict[str, Any], stream: bool, generate: Any = generate
+        ) -> None:
+            settings = dict(settings)
+            policy = Policy.parse(settings.pop(_KEY)) if _KEY in settings else None
+            if policy is None:
+                generate(self, request_id, inputs, settings, stream)
+                return
+            with kernel_policy(policy):
+                generate(self, request_id, inputs, settings, stream)
+
+        owner.generate = policy_generate
+    runner = _compat.lookup(_owner(_compat.SERVING_GENERATE))
+    init = runner.__init__
+
+    def runner_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        put = self.queue.put
+
+        def put_with_policy(item: Any, *rest: Any, **options: Any) -> None:
+            request_id, function, *others = item  # the one-at-a-time runner's thread runs it: under its policy
+            put((request_id, propagate(function), *others), *rest, **options)
+
+        self.queue.put = put_with_policy
+
+    runner.__init__ = runner_init
+
+
+def _owner(internal: _compat.Internal) -> str:
+    """The module or class that holds the name ``internal`` looks up."""
+    return internal.names[0].rpartition(".")[0]
+
+
+# --- the command --------------------------------------------------------------------------------------
+
+
+def main(argv: list[str]) -> int:
+    """``python -m kernelpolicy serve [--kernel NAME=PATH ...] MODEL [transformers serve options]``."""
+    kernels: dict[str, str] = {}
+    rest: list[str] = []
+    items = iter(argv)
+    for item in items:
+        if item == "--kernel" or item.startswith("--kernel="):
+            value = item.partition("=")[2] if "=" in item else next(items, "")
+            name, _, path = value.partition("=")
+            if not name or not path:
+                print(f"--kernel takes NAME=PATH (a local kernel repository), got {value!r}", file=sys.stderr)
+                return 2
+            kernels[name] = os.path.abspath(path)
+        else:
+            rest.append(item)
+    if not _compat.all_present((_compat.SERVING_BUILD, _compat.SERVING_SEND, *_compat.SERVING_RUNNERS)):
+        print("kernelpolicy serve: this transformers serve lacks the seams a policy travels through", file=sys.stderr)
+        return 1
+    if kernels:
+        os.environ[KERNELS_ENV] = json.dumps(kernels)
+    _install_api_side()
+    from transformers.cli.transformers import app
+
+    app(args=["serve", *rest], prog_name="python -m kernelpolicy serve")
+    return 0
