@@ -23,6 +23,7 @@ RUNNABLE = [
     "docs/compile.md",
     "docs/training.md",
     "docs/design.md",
+    "docs/serving.md",
 ]
 #: Pages whose ``python`` blocks are run another way (below).
 ELSEWHERE = ["docs/pytest.md"]
