@@ -190,3 +190,28 @@ def test_the_turns_are_fair_between_policies(manager: Any) -> None:
     longest = max(len(list(run)) for _, run in itertools.groupby(steps[: first_done + 1]))
     assert longest <= 2, steps
     assert requests.by_id == {}  # finished requests are forgotten
+
+
+@pytest.mark.slow
+def test_compiled_steps_with_mixed_policies_get_their_solo_tokens(model: Any, config: Any) -> None:
+    """The manager's compile options (torch.compile of its step, backend eager here): the policy is a guard of
+    the compiled step, so each policy's requests run its own program; the warm-up runs once per policy."""
+    from torch._dynamo.utils import counters
+    from transformers.generation.configuration_utils import CompileConfig
+
+    compiled = CompileConfig(backend="eager", fullgraph=False)  # transformers' step breaks the graph itself
+    manager = model.init_continuous_batching(
+        generation_config=config,
+        continuous_batching_config=batching_config(varlen_compile_config=compiled, decode_compile_config=compiled),
+    )
+    batching.policy_aware(manager, policies=[NORM_OFF])
+    graphs = counters["stats"]["unique_graphs"]
+    manager.warmup()
+    assert counters["stats"]["unique_graphs"] > graphs  # compiled ahead, for prefer and for RMSNorm=disable
+    manager.start()
+    try:
+        submissions = [((PREFER, NORM_OFF)[i % 2], prompt) for i, prompt in enumerate(prompts(4, seed=6))]
+        outputs = run(manager, submissions)
+    finally:
+        manager.stop(block=True, timeout=60)
+    assert [o.generated_tokens for o in outputs] == [solo(model, config, p, prompt) for p, prompt in submissions]
