@@ -30,7 +30,7 @@ import os
 import threading
 import weakref
 from contextvars import ContextVar
-from typing import TYPE_CHECKING, Any, final
+from typing import TYPE_CHECKING, Any, Final, final
 
 from ._policy import BUILTIN, ENV_VAR, MODES, Policy
 
@@ -54,9 +54,12 @@ __all__ = [
 
 #: What ``active.modes`` holds for a mode while calls are recorded: a value the
 #: forward's fast exits do not know, so every call takes the slow path that records.
-RECORDED: dict[str, str] = {mode: f"{mode}+record" for mode in MODES}
+#: What a recorded entry ends with: code that runs traced tests the suffix (a string constant), never membership
+#: in :data:`UNRECORDED`, whose growth (a new variant entry) would fail the guards of every compiled program.
+RECORD_SUFFIX: Final = "+record"
+RECORDED: dict[str, str] = {mode: f"{mode}{RECORD_SUFFIX}" for mode in MODES}
 #: The mode behind each of those entries. Variant entries (``"kernel:a|b"``) are added as policies name them.
-UNRECORDED: dict[str, str] = {f"{mode}+record": mode for mode in MODES}
+UNRECORDED: dict[str, str] = {f"{mode}{RECORD_SUFFIX}": mode for mode in MODES}
 
 # Scopes. Unset means "no scope active in this context".
 _SCOPED: ContextVar[Active] = ContextVar("kernelpolicy.scoped")
@@ -139,7 +142,7 @@ def _fill(active: Active, names: Iterable[str]) -> None:
     for name in names:
         entry, kernel_on, required, variant = layer_facts(active.policy, name)
         if entry not in RECORDED:
-            RECORDED[entry] = f"{entry}+record"
+            RECORDED[entry] = f"{entry}{RECORD_SUFFIX}"
             UNRECORDED[RECORDED[entry]] = entry
         active.modes.__dict__.setdefault(name, RECORDED[entry] if active.recording else entry)
         active.kernel_on.__dict__.setdefault(name, kernel_on)

@@ -82,7 +82,7 @@ import torch.fx._symbolic_trace as _fx  # noqa: F401 - read by the generated for
 from torch.compiler import is_dynamo_compiling as _is_dynamo
 
 from . import _state
-from ._active import DEFAULTS, RECOMPUTED_WITH_GRAD, RECORDERS, UNRECORDED, register_layer_name
+from ._active import DEFAULTS, RECOMPUTED_WITH_GRAD, RECORD_SUFFIX, RECORDERS, register_layer_name
 from ._compat import DYNAMO_DISABLE_MARK, kernel_repository
 from ._errors import KernelMismatchError, KernelUnavailableError, OriginalUnavailableError, unavailable_message
 from ._persisted import checked, persisting  # noqa: F401 - read by the generated forwards
@@ -429,9 +429,9 @@ class Binding:
         """Every call the fast exits of the forward closure do not take."""
         if mode == KERNEL_ON:
             mode = self._compiled_mode(args, kwargs)
-        recording = mode in UNRECORDED
+        recording = mode.endswith(RECORD_SUFFIX)  # traced: a string test, no guard on UNRECORDED (see there)
         if recording:
-            mode = UNRECORDED[mode]
+            mode = mode[: -len(RECORD_SUFFIX)]
         if state is None:
             state = _state.execution_state()
         if mode.startswith(VARIANTS):

@@ -53,7 +53,7 @@ from torch import nn
 from torch.compiler import is_dynamo_compiling as _is_dynamo
 
 from . import _compat
-from ._active import DEFAULTS, UNRECORDED
+from ._active import DEFAULTS, RECORD_SUFFIX, UNRECORDED
 from ._binding import ATTACH_HOOKS, NO_ORIGINAL, ORIGINALS, _make_class_aware, binding_of
 from ._errors import PolicyError
 from ._explain import ROW_SOURCES, UNGOVERNED_SOURCES, Ungoverned
@@ -308,7 +308,7 @@ def package_fallback(forward: Callable[..., Any], layer_name: str) -> Callable[.
     @functools.wraps(forward)
     def original(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         entry = getattr(DEFAULTS.active._current.modes, layer_name)  # the table the forward read
-        if UNRECORDED.get(entry, entry) == "disable":
+        if entry in ("disable", f"disable{RECORD_SUFFIX}"):  # no lookup in UNRECORDED: it is traced
             return torch_function(*args, **kwargs)
         return forward(module, *args, **kwargs)
 

@@ -165,6 +165,35 @@ def test_compiled_one_program_per_choice_without_graph_breaks(model: nn.Module) 
     assert backend.compiles == len(entries)
 
 
+def test_warmup_covers_variant_entries(model: nn.Module) -> None:
+    """After a warm-up over variant entries, serving them compiles nothing (was: the first variant call did)."""
+    backend = CountingBackend()
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    entries = ["prefer", "RMSNorm=kernel:fast", "disable", "RMSNorm=kernel:half|fast"]
+    kp.warmup(compiled, X, policies=entries)
+    warmed = backend.compiles
+    for entry, value in zip(entries, [DEFAULT, FAST, ORIGINAL, HALF], strict=True):
+        with kp.kernel_policy(kp.Policy.parse(entry)):
+            assert offset(compiled(X)) == value, entry
+    assert backend.compiles == warmed == len(entries)
+
+
+def test_an_entry_named_first_later_recompiles_no_program(model: nn.Module) -> None:
+    """A variant entry no scope named before (so new to the process-wide tables) leaves the programs compiled."""
+    backend = CountingBackend()
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    entries = ["prefer", "kernel:fast", "disable"]
+    for entry in entries:
+        with kp.kernel_policy(RMSNorm=entry):
+            compiled(X)
+    with kp.kernel_policy(RMSNorm="kernel:half|default|fast"), kp.record_calls():  # a new entry, recorded too
+        pass
+    for entry, value in zip(entries, [DEFAULT, FAST, ORIGINAL], strict=True):
+        with kp.kernel_policy(RMSNorm=entry):
+            assert offset(compiled(X)) == value, entry
+    assert backend.compiles == len(entries)
+
+
 def test_threads_and_tasks_each_get_their_variant(model: nn.Module) -> None:
     wrong: list[str] = []
     start = threading.Barrier(3)
