@@ -508,10 +508,42 @@ class Binding:
                 return self._run(
                     recorders, path, f"{reason}; verified against {policy.options.reference}", compared, args, kwargs
                 )
-            return self._run(recorders, path, reason, function, args, kwargs)
+            if not policy.fallback_on or state != "eager" or _is_dynamo():
+                return self._run(recorders, path, reason, function, args, kwargs)
+            try:
+                out = function(self.module, *args, **kwargs)
+            except Exception as error:
+                if not isinstance(error, exception_types(policy.fallback_on)):
+                    self._record(recorders, path, reason, error)
+                    raise
+                return self._variant_failed(entry, name, error, state, args, kwargs, recording, recorders)
+            self._record(recorders, path, reason)
+            return out
         if not _is_dynamo():
             self._log_fallback(reason)
         return self._run(recorders, path, reason, self.original, args, kwargs)
+
+    def _variant_failed(
+        self,
+        entry: str,
+        name: str | None,
+        error: Exception,
+        state: ExecutionState,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        recording: bool,
+        recorders: tuple[Any, ...],
+    ) -> Any:
+        """Variant ``name`` raised an error ``fallback_on`` names: the next candidate of ``entry``, else the original."""
+        self.failures += 1
+        self.last_failure = f"variant {name!r}: {type(error).__name__}: {error}"
+        names = variant_names(entry)
+        rest = names[names.index(name) + 1 :] if name in names else ()
+        following = f"the next of {'|'.join(rest)}" if rest else "the original forward"
+        self._log_once(f"variant {name} failed", logging.WARNING, f"raised {self.last_failure}; {following} ran instead")
+        if rest:
+            return self._run_variant(VARIANTS + "|".join(rest), state, args, kwargs, recording)
+        return self._run(recorders, "original", f"{FAILED} ({self.last_failure})", self.original, args, kwargs)
 
     def unsupported(
         self,

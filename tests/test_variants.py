@@ -271,3 +271,39 @@ def test_warmup_compiles_each_variant_choice_once(model: nn.Module) -> None:
     report = kp.warmup(compiled, X, policies=["prefer", "RMSNorm=kernel:fast", "RMSNorm=kernel: fast", "disable"])
     assert [n for _, n in report.compiles] == [1, 1, 0, 1]  # the second spelling of fast reuses its program
     assert "  prefer,RMSNorm=kernel:fast: 1 compiled" in str(report)
+
+
+RAISING_KERNEL = """
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    can_torch_compile = True
+
+    def forward(self, hidden_states):
+        raise RuntimeError("bad variant: out of resources")
+"""
+
+
+def test_fallback_on_gives_way_to_the_next_variant_then_the_original(
+    bind: Callable[..., nn.Module], tmp_path: Path
+) -> None:
+    """A variant raising an error ``fallback_on`` names: the next candidate runs, then the original."""
+    model = bind(NormPair().eval(), "fast")
+    with local_mapping(
+        {"RMSNorm": write_kernel_repo(tmp_path / "bad", RAISING_KERNEL, name="norm-bad")}, inherit=False
+    ):
+        kp.kernelize(model, mode="inference", device="cpu", variant="bad")
+    with kp.kernel_policy(RMSNorm="kernel:bad|fast", fallback_on=RuntimeError), kp.record_calls() as calls:
+        assert offset(model(X)) == FAST
+    with kp.kernel_policy(RMSNorm="kernel:bad|default", fallback_on=RuntimeError):
+        assert offset(model(X)) == DEFAULT
+    with kp.kernel_policy(RMSNorm="kernel:bad", fallback_on=RuntimeError):
+        assert offset(model(X)) == ORIGINAL
+    assert calls.by_layer()["RMSNorm"] == {"kernel": 2}  # the two norms ran fast; the failed tries are not calls
+    with pytest.raises(RuntimeError, match="bad variant"), kp.kernel_policy(RMSNorm="kernel:bad|fast"):
+        model(X)  # without fallback_on the variant's error propagates, as the kernel's does
+    named_other = kp.kernel_policy(RMSNorm="kernel:bad|fast", fallback_on=ValueError)  # not the error raised
+    with pytest.raises(RuntimeError, match="bad variant"), named_other:
+        model(X)
