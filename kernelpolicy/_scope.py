@@ -176,7 +176,7 @@ class kernel_policy:  # noqa: N801 - lowercase like numpy.errstate and decimal.l
 
     __module__ = "kernelpolicy"  # the public name (see kernelpolicy/__init__.py)
 
-    __slots__ = ("_cache", "_fixed", "_layers", "_mode", "_options", "_recorders", "_recording")
+    __slots__ = ("_cache", "_deferred", "_fixed", "_layers", "_mode", "_options", "_recorders", "_recording")
 
     def __init__(self, mode: PolicyMode | Policy | None = None, /, **layers: Any) -> None:
         self._fixed, self._mode, self._layers, self._options = _validated(mode, layers)
@@ -184,6 +184,8 @@ class kernel_policy:  # noqa: N801 - lowercase like numpy.errstate and decimal.l
         # Internal (record_calls, propagate): switch recording, install recorders.
         self._recording: bool | None = None
         self._recorders: tuple[Any, ...] | None = None
+        # Internal (the pytest plugin): the variants named are checked by the caller later (once fixtures bound them).
+        self._deferred = False
 
     def resolve(self, enclosing: Active) -> Active:
         """What this scope puts in effect inside ``enclosing`` (recording is inherited unless set here)."""
@@ -201,8 +203,8 @@ class kernel_policy:  # noqa: N801 - lowercase like numpy.errstate and decimal.l
     def __enter__(self) -> Policy:
         ensure_env()
         active = self.resolve(DEFAULTS.active._current)
-        if active.policy._names_variants:
-            _check_variants(active.policy, "kernel_policy")
+        if active.policy._names_variants and not self._deferred:
+            check_variants(active.policy, "kernel_policy")
         if POLICY_CHECKS:
             _check(active.policy)
         token = _SCOPED.set(active)
@@ -429,7 +431,7 @@ def set_default_policy(mode: PolicyMode | Policy | None = None, /, **layers: Any
     base = DEFAULTS.env if DEFAULTS.env is not None else BUILTIN
     new = base if restore else fixed if fixed is not None else base.overlay(default, checked, options)
     if new.names_variants:
-        _check_variants(new, "set_default_policy")
+        check_variants(new, "set_default_policy")
     if POLICY_CHECKS:
         _check(new)
     with DEFAULTS.lock:
@@ -439,7 +441,7 @@ def set_default_policy(mode: PolicyMode | Policy | None = None, /, **layers: Any
     return previous
 
 
-def _check_variants(policy: Policy, what: str) -> None:
+def check_variants(policy: Policy, what: str) -> None:
     """Every variant a policy names must be bound for its layer somewhere in the process (or be ``default``)."""
     reference = policy.options.reference
     if reference not in (None, "original", DEFAULT_VARIANT) and not any_variant(reference):

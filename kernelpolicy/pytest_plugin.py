@@ -51,6 +51,7 @@ import pytest
 
 import kernelpolicy as _kernelpolicy
 from kernelpolicy import Policy, PolicyError, PolicyMode, current_policy, kernel_policy
+from kernelpolicy._scope import check_variants
 
 if TYPE_CHECKING:
     from collections.abc import Generator, Mapping
@@ -147,6 +148,7 @@ def _scopes_for(item: pytest.Item) -> list[kernel_policy]:
         except (PolicyError, TypeError) as error:  # TypeError: e.g. two positional modes
             problem = f"bad marker @pytest.mark.{MARKER}({_describe(mark.args, mark.kwargs)}): {error}"
             break
+        scope._deferred = True  # its variants may be bound by the test's own fixtures: checked before the call
         scopes.append(scope)
     else:
         return scopes
@@ -161,6 +163,23 @@ def pytest_runtest_setup(item: pytest.Item) -> Generator[None, None, None]:
         item.stash[_TEST_SCOPES] = stack
         for scope in scopes:
             stack.enter_context(scope)
+    return (yield)
+
+
+@pytest.hookimpl(wrapper=True, trylast=True)
+def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
+    """The fixtures have run: the variants the markers name must be bound now."""
+    if item.stash.get(_TEST_SCOPES, None) is not None:
+        policy = current_policy()
+        if policy._names_variants:
+            try:
+                check_variants(policy, f"@pytest.mark.{MARKER}")
+            except PolicyError as error:
+                problem = str(error)
+            else:
+                problem = ""
+            if problem:
+                pytest.fail(problem, pytrace=False)
     return (yield)
 
 
