@@ -540,7 +540,9 @@ class Binding:
         names = variant_names(entry)
         rest = names[names.index(name) + 1 :] if name in names else ()
         following = f"the next of {'|'.join(rest)}" if rest else "the original forward"
-        self._log_once(f"variant {name} failed", logging.WARNING, f"raised {self.last_failure}; {following} ran instead")
+        self._log_once(
+            f"variant {name} failed", logging.WARNING, f"raised {self.last_failure}; {following} ran instead"
+        )
         if rest:
             return self._run_variant(VARIANTS + "|".join(rest), state, args, kwargs, recording)
         return self._run(recorders, "original", f"{FAILED} ({self.last_failure})", self.original, args, kwargs)
