@@ -202,6 +202,16 @@ def _owner(internal: _compat.Internal) -> str:
     return internal.names[0].rpartition(".")[0]
 
 
+def _option(arguments: list[str], name: str) -> str | None:
+    """The value given to option ``name`` in ``arguments`` (``name VALUE`` or ``name=VALUE``), or None."""
+    for i, item in enumerate(arguments):
+        if item == name and i + 1 < len(arguments):
+            return arguments[i + 1]
+        if item.startswith(f"{name}="):
+            return item.partition("=")[2]
+    return None
+
+
 # --- the command --------------------------------------------------------------------------------------
 
 
@@ -220,6 +230,15 @@ def main(argv: list[str]) -> int:
             kernels[name] = os.path.abspath(path)
         else:
             rest.append(item)
+    servers = _option(rest, "--api-server-count")
+    if servers not in (None, "1"):
+        print(
+            f"kernelpolicy serve: --api-server-count {servers} is not supported yet: the API server processes "
+            "transformers spawns would not read the X-Kernel-Policy header (every request would run under the "
+            "default policy); serve with one API server",
+            file=sys.stderr,
+        )
+        return 2
     if not _compat.all_present((_compat.SERVING_BUILD, _compat.SERVING_SEND, *_compat.SERVING_RUNNERS)):
         print("kernelpolicy serve: this transformers serve lacks the seams a policy travels through", file=sys.stderr)
         return 1

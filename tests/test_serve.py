@@ -79,6 +79,16 @@ def test_the_middleware_answers_400_in_openais_shape_and_runs_the_rest_in_the_po
     assert len(seen) == 2  # a refused request never reaches the app
 
 
+@pytest.mark.parametrize("given", [["--api-server-count", "2"], ["--api-server-count=3"]])
+def test_several_api_servers_are_refused_rather_than_serving_one_policy(
+    given: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kernelpolicy import serving
+
+    assert serving.main(["some-model", *given]) == 2
+    assert "is not supported yet" in capsys.readouterr().err
+
+
 # --- the real server ----------------------------------------------------------------------------------
 
 needs_serve = pytest.mark.skipif(
