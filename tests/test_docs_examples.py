@@ -23,15 +23,24 @@ RUNNABLE = [
     "docs/compile.md",
     "docs/training.md",
     "docs/design.md",
-    "docs/serving.md",
 ]
 #: Pages whose ``python`` blocks are run another way (below).
-ELSEWHERE = ["docs/pytest.md"]
+ELSEWHERE = ["docs/pytest.md", "docs/serving.md"]
 
 
 @pytest.mark.parametrize("page", RUNNABLE)
 def test_examples_run(page: str) -> None:
     check_md_file(ROOT / page, memory=True)
+
+
+def test_the_serving_page_runs_where_transformers_has_the_batching_seams() -> None:
+    """docs/serving.md needs transformers 5.22 or newer (its continuous batching; older releases tell the user)."""
+    pytest.importorskip("transformers")
+    from kernelpolicy import _compat
+
+    if not all(_compat.first_present(seam) for seam in _compat.BATCHING):
+        pytest.skip("this transformers has not the continuous batching of 5.22-5.25 the page shows")
+    check_md_file(ROOT / "docs" / "serving.md", memory=True)
 
 
 def test_every_page_with_python_is_run() -> None:
