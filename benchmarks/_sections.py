@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.utils.checkpoint
 
 import kernelpolicy
 from kernelpolicy import kernel_policy, kernels_disabled
@@ -125,6 +126,33 @@ def eager_noop(ctx: RunContext) -> Section:
     ]
     section.groups.append(
         measure("no-op layer, module(x), grad enabled", grad_variants, baseline=baseline, settings=ctx.settings)
+    )
+    # The training forward: x requires grad, so autograd records the call and the forward notes its policy for a
+    # recomputation (kernelpolicy._replay); inside torch's non-reentrant checkpoint it also records it per frame.
+    xg = torch.zeros(1, requires_grad=True)
+    training = {"checkpoint": torch.utils.checkpoint.checkpoint, "x": xg}
+    training_variants = [
+        Variant(baseline, "m(x)", {"m": direct, "x": xg}),
+        Variant("(b) kernelpolicy prefer, can_torch_compile=True", "m(x)", {"m": policy_ctc, "x": xg}),
+        Variant(
+            "(a) kernels direct binding, in checkpoint(use_reentrant=False)",
+            "checkpoint(m, x, use_reentrant=False)",
+            {**training, "m": direct},
+        ),
+        Variant(
+            "(b) kernelpolicy prefer, in checkpoint(use_reentrant=False)",
+            "checkpoint(m, x, use_reentrant=False)",
+            {**training, "m": policy_ctc},
+            ratio_to="(a) kernels direct binding, in checkpoint(use_reentrant=False)",
+        ),
+    ]
+    section.groups.append(
+        measure(
+            "no-op layer, training forward (x requires grad)",
+            training_variants,
+            baseline=baseline,
+            settings=ctx.settings,
+        )
     )
     return section
 

@@ -244,6 +244,25 @@ FUNCTORCH_STACK = Internal(
     ("torch._C._functorch.peek_interpreter_stack",),
     "verify compares under torch.func transforms too (under vmap that comparison fails)",
 )
+#: Replaying a recomputation (see ``_replay``): whether a backward pass runs the call, and the frame of the
+#: non-reentrant checkpoint whose saved-tensor hooks are innermost (recorded in the forward pass, looked up
+#: in the recomputation).
+GRAPH_TASK_ID = Internal(
+    "checkpoint recomputation: whether a call runs inside backward()",
+    ("torch._C._current_graph_task_id",),
+    "recomputations are not replayed: only kernelpolicy.training.checkpoint carries the forward's policy",
+)
+SAVED_TENSOR_HOOKS = Internal(
+    "checkpoint recomputation: the innermost saved-tensor hooks (a non-reentrant checkpoint's)",
+    ("torch._C._autograd._top_saved_tensors_default_hooks",),
+    "non-reentrant recomputations replay the one policy their module's live forward passes ran under "
+    "(and raise where those differ)",
+)
+CHECKPOINT_FRAME = Internal(
+    "checkpoint recomputation: the frame of a non-reentrant checkpoint",
+    ("torch.utils.checkpoint._CheckpointFrame",),
+    SAVED_TENSOR_HOOKS.fallback,
+)
 _K016 = "kernels.layer"  # kernels 0.16-0.18
 _K019 = "kernels._internals.layer"  # kernels 0.19
 _KERNELS_SEEN = ("kernels 0.19", "kernels 0.16-0.18")
@@ -341,6 +360,9 @@ INTERNALS: tuple[Internal, ...] = (
     TRACING_CONTEXT,
     DYNAMO_COUNTERS,
     FUNCTORCH_STACK,
+    GRAPH_TASK_ID,
+    SAVED_TENSOR_HOOKS,
+    CHECKPOINT_FRAME,
     KERNELS_LAYER_CACHE,
     KERNELS_BIND,
     TRANSFORMERS_LAZY_KERNELS,

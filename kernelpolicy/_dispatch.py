@@ -79,6 +79,7 @@ from typing import TYPE_CHECKING, Any, Final, Literal, NamedTuple, final
 import torch
 import torch.compiler as _compiler  # noqa: F401 - read by the generated forwards (TRACING_CHECK)
 import torch.fx._symbolic_trace as _fx  # noqa: F401 - read by the generated forwards (TRACING_CHECK)
+from torch import is_grad_enabled as _grad  # noqa: F401 - read by the generated forwards
 from torch.compiler import is_dynamo_compiling as _is_dynamo
 
 from . import _state
@@ -87,6 +88,7 @@ from ._compat import DYNAMO_DISABLE_MARK, kernel_repository
 from ._errors import KernelMismatchError, KernelUnavailableError, OriginalUnavailableError, unavailable_message
 from ._persisted import checked, persisting  # noqa: F401 - read by the generated forwards
 from ._policy import DEFAULT_VARIANT, VARIANTS, exception_types, variant_names
+from ._replay import GO_ON, Replays  # noqa: F401 - GO_ON: read by the generated forwards
 from ._rules import RULES, VARIANT_RULES, KernelRule, parameter_names
 from ._verify import tensors_in
 
@@ -245,6 +247,7 @@ class Binding:
         "no_original",
         "original",
         "parameters",
+        "replays",
         "repository",
         "stopped",
         "variants",
@@ -292,6 +295,8 @@ class Binding:
         self.stopped: str | None = None
         #: Kernel variants by name (``kernelize(..., variant=name)``), chosen by a policy entry "kernel:name|...".
         self.variants: dict[str, Kernel] = {}
+        #: What the forward recorded for recomputations in backward (activation checkpointing), see ``_replay``.
+        self.replays = Replays(self)
 
     def kernel_name(self) -> str | None:
         """The bound kernel as ``explain`` shows it: its repository and layer when known, else its class; None without."""
@@ -386,7 +391,17 @@ class Binding:
 
     def _asked(self, rule: KernelRule | None, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
         """Why ``rule`` refuses this call, as a reason; None without a rule or if it accepts."""
-        why = None if rule is None else rule.reject(self.module, args, kwargs, self.parameters)
+        if rule is None:
+            return None
+        try:
+            why = rule.reject(self.module, args, kwargs, self.parameters)
+        except Exception as error:
+            if hasattr(error, "add_note"):  # Python >= 3.11; the error itself passes unchanged otherwise
+                error.add_note(
+                    f"kernelpolicy: raised by the kernel_accepts check of kernel layer {self.layer_name!r} "
+                    f"({self.module_class} at {self.module_name!r}), asked before its kernel runs"
+                )
+            raise
         return None if why is None else f"{INELIGIBLE}: {why}"
 
     def failed(
@@ -678,7 +693,13 @@ class Binding:
         )
 
     def _log_fallback(self, reason: str) -> None:
-        self._log_once(reason, logging.INFO, f"falls back to its original forward: {reason}")
+        """Log once per reason that the original ran instead of the bound kernel.
+
+        A warning where the bound kernel cannot run in a whole situation (a tracer, autograd, DTensor, a
+        stopped kernel); INFO where a ``kernel_accepts`` rule declined one call, as it was declared to.
+        """
+        level = logging.INFO if reason.startswith(INELIGIBLE) or reason == NO_KERNEL else logging.WARNING
+        self._log_once(reason, level, f"falls back to its original forward: {reason}")
 
     def _log_once(self, key: str, level: int, what: str) -> None:
         if (self.layer_name, key) not in _logged:
@@ -767,6 +788,10 @@ _BODIES: dict[str, str] = {
             out = kernel(self, {call}) if {kernel_on} else original(self, {call})
             return checked(out, active, {name}, "k") if persisting() else out
         mode = {lookup}
+        if active is not last:
+            out = replay(active, {pack})
+            if out is not GO_ON:
+                return out
         if mode == "prefer" or mode == "require":
             try:
                 return kernel(self, {call})
@@ -790,6 +815,10 @@ _BODIES: dict[str, str] = {
                 out = original(self, {call})
             return checked(out, active, {name}, "kr") if persisting() else out
         mode = {lookup}
+        if active is not last or (not has_backward and _grad()):
+            out = replay(active, {pack})
+            if out is not GO_ON:
+                return out
         if mode == "disable":
             return original(self, {call})
         if (mode == "prefer" or mode == "require") and not ({tracing}) and (
@@ -810,6 +839,10 @@ _BODIES: dict[str, str] = {
             out = slow(KERNEL_ON, {pack}) if {kernel_on} else original(self, {call})
             return checked(out, active, {name}, "krv") if persisting() else out
         mode = {lookup}
+        if active is not last or (not has_backward and _grad()):
+            out = replay(active, {pack})
+            if out is not GO_ON:
+                return out
         if mode == "disable":
             return original(self, {call})
         if (mode == "prefer" or mode == "require") and not ({tracing}) and (
@@ -825,7 +858,7 @@ _BODIES: dict[str, str] = {
                 return failed(error, {pack})
         return slow(mode, {pack})""",
 }
-_CELLS = "original, kernel, slow, unsupported, failed, has_backward, traceable, refused"
+_CELLS = "original, kernel, slow, unsupported, failed, has_backward, traceable, refused, replay, last"
 _FACTORIES: dict[tuple[str, str, str, str, str], Callable[..., Callable[..., Any]]] = {}
 
 
@@ -870,7 +903,7 @@ def forward_source(variant: str, function: Callable[..., Any], layer_name: str) 
     variants for ``forward(self, hidden_states)``):
 
     >>> print(forward_source("without_kernel", lambda self, x: x, "Double"))  # doctest: +NORMALIZE_WHITESPACE
-    def make(original, kernel, slow, unsupported, failed, has_backward, traceable, refused):
+    def make(original, kernel, slow, unsupported, failed, has_backward, traceable, refused, replay, last):
         def forward(self, x):
             active = DEFAULTS.active._current
             if _is_dynamo():
@@ -941,8 +974,12 @@ def make_forward(binding: Binding) -> Callable[..., Any]:
         binding.has_backward,
         binding.can_torch_compile,
         binding.refused,
+        binding.replays.check,
+        None,
     )
     forward.__qualname__ = f"kernelpolicy.{variant}.forward"
+    freevars = forward.__code__.co_freevars
+    binding.replays.cell = forward.__closure__[freevars.index("last")] if "last" in freevars else None  # type: ignore[index]
     # Bound ahead of time, like the MethodType kernels binds: the module is
     # ``self``, not a closure cell (a cell aliasing the module costs a guard).
     return types.MethodType(forward, binding.module)

@@ -34,6 +34,7 @@ __all__ = [
     "OriginalUnavailableError",
     "PolicyError",
     "PolicyMismatchError",
+    "RecomputationError",
     "ScopeError",
     "warn_at_caller",
 ]
@@ -45,12 +46,14 @@ def warn_at_caller(message: str, category: type[Warning] = UserWarning, *, also_
     """Warn at the first frame outside kernelpolicy and the ``also_skip`` packages: the user's line.
 
     As pandas' ``find_stack_level`` does: kernelpolicy's frames by their file (a doctest of kernelpolicy
-    is the user's code), the others by their module's top-level package.
+    is the user's code; the generated forwards are kernelpolicy's), the others by their module's top-level
+    package.
     """
 
     def skipped(frame: types.FrameType) -> bool:
         package = str(frame.f_globals.get("__name__", "")).partition(".")[0]
-        return os.path.dirname(frame.f_code.co_filename) == _PACKAGE or package in also_skip
+        file = frame.f_code.co_filename
+        return os.path.dirname(file) == _PACKAGE or file.startswith("<kernelpolicy ") or package in also_skip
 
     level, frame = 1, sys._getframe(0)
     while frame.f_back is not None and skipped(frame):
@@ -80,6 +83,12 @@ class ArtifactPolicyError(RuntimeError):
     """A persisted compiled program was called under a policy that would take another path than its trace."""
 
     __module__ = "kernelpolicy.artifacts"
+
+
+class RecomputationError(RuntimeError):
+    """A recomputation in ``backward()`` (activation checkpointing) would take another path than its forward pass."""
+
+    __module__ = "kernelpolicy.training"
 
 
 class KernelUnavailableError(RuntimeError):

@@ -13,20 +13,28 @@ context of whoever calls ``backward()``. A training step written as::
         loss = model(batch).sum()
     loss.backward()
 
-would recompute with the kernels on, and mix activations of two paths
-(silently: the non-reentrant checkpoint compares only shapes and dtypes).
+recomputes under the policy of the forward pass anyway: every policy-aware
+forward records, in the forward pass, the policy it ran under, and replays it
+when a backward pass recomputes it (``kernelpolicy._replay``). That covers
+torch's checkpointing however it is reached (``torch.utils.checkpoint.checkpoint``
+in both modes, ``checkpoint_sequential``, ``checkpoint_wrapper``,
+``apply_activation_checkpointing``, FSDP2 with activation checkpointing). Where
+the forward's path cannot be told or taken again, the recomputation raises
+:class:`RecomputationError`, which names the module, both policies and the
+fix; the fix is usually this module's :func:`checkpoint`.
 
-:func:`checkpoint` captures the policy in effect when it is called and runs the
+:func:`checkpoint` carries the policy in effect when it is called and runs the
 checkpointed function under it, in the forward pass and in every
-recomputation, whatever scope or thread calls ``backward()``. Call recording
-is not captured: a recomputation is counted by a ``record_calls()`` active
-where ``backward()`` runs. A reentrant checkpoint runs its forward pass under
-``no_grad``, where a kernel without backward could run, and recomputes with
-grad, where it cannot: taken with grad enabled, the forward pass gives way
-to the original too, so both passes take one path.
+recomputation, whatever scope or thread calls ``backward()``: exact in the
+cases the recorded replay cannot tell apart (a reentrant checkpoint whose
+module runs again under ``no_grad`` and another policy before ``backward()``).
+Call recording is not carried: a recomputation is counted by a
+``record_calls()`` active where ``backward()`` runs. A reentrant checkpoint runs
+its forward pass under ``no_grad``, where a kernel without backward could run,
+and recomputes with grad, where it cannot: taken with grad enabled, the
+forward pass gives way to the original too, so both passes take one path.
 
-Reached automatically, by :func:`kernelpolicy.attach` and
-:func:`kernelpolicy.kernelize`:
+Also reached by :func:`kernelpolicy.attach` and :func:`kernelpolicy.kernelize`:
 
 - transformers' gradient checkpointing (``model.gradient_checkpointing_enable()``,
   ``Trainer(gradient_checkpointing=True)``, reentrant or not, with ``offload``),
@@ -34,12 +42,6 @@ Reached automatically, by :func:`kernelpolicy.attach` and
   gives each layer is wrapped, and so is every later one (``attach`` wraps the
   model's ``_set_gradient_checkpointing`` on the instance);
 - ``torch.distributed``'s ``checkpoint_wrapper`` modules already in the model.
-
-Everywhere else, call this module's :func:`checkpoint` instead of
-``torch.utils.checkpoint.checkpoint``, or pass it as ``checkpoint_fn`` to
-``checkpoint_wrapper``. ``torch.utils.checkpoint.checkpoint_sequential``
-checkpoints through torch's own function; give it functions that carry the
-policy with :func:`kernelpolicy.propagate`.
 
 Under ``torch.compile`` the recomputation is part of the compiled graph (the
 policy was read, and guarded, when the forward was traced), so :func:`checkpoint`
@@ -59,6 +61,8 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from ._active import DEFAULTS, RECOMPUTED_WITH_GRAD, ensure_env
 from ._binding import ATTACH_HOOKS
+from ._errors import RecomputationError
+from ._replay import REPLAYING
 from ._scope import kernel_policy
 
 if TYPE_CHECKING:
@@ -68,7 +72,7 @@ if TYPE_CHECKING:
 
     from ._policy import Policy
 
-__all__ = ["checkpoint"]
+__all__ = ["RecomputationError", "checkpoint"]
 
 
 def checkpoint(
@@ -119,14 +123,18 @@ class _Replay:
         self.scope = kernel_policy(policy)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with self.scope:
-            if not self.grad or torch.is_grad_enabled():
-                return self.function(*args, **kwargs)
-            token = RECOMPUTED_WITH_GRAD.set(True)
-            try:
-                return self.function(*args, **kwargs)
-            finally:
-                RECOMPUTED_WITH_GRAD.reset(token)
+        replaying = REPLAYING.set(True)  # the forwards' own replay stands aside: this one is exact
+        try:
+            with self.scope:
+                if not self.grad or torch.is_grad_enabled():
+                    return self.function(*args, **kwargs)
+                token = RECOMPUTED_WITH_GRAD.set(True)
+                try:
+                    return self.function(*args, **kwargs)
+                finally:
+                    RECOMPUTED_WITH_GRAD.reset(token)
+        finally:
+            REPLAYING.reset(replaying)
 
     def __repr__(self) -> str:
         return f"<{self.function!r} under {self.policy}>"

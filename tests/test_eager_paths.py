@@ -108,6 +108,8 @@ def test_no_backward_kernel_runs_only_where_autograd_does_not_record(
     records = [r for r in caplog.records if r.name == "kernelpolicy"]
     assert len(records) == 1, "one record per (layer name, reason)"
     assert "has no backward" in records[0].getMessage() and "autograd records this call" in records[0].getMessage()
+    # A warning (shown by a default logging set-up): the bound kernel cannot run in this whole situation.
+    assert records[0].levelno == logging.WARNING
     with kp.kernel_policy("require"), pytest.raises(kp.KernelUnavailableError, match="kernel has no backward"):
         model(X)
     for no_autograd in (torch.no_grad, torch.inference_mode):

@@ -7,6 +7,7 @@ The kernel adds 100 to its output, so every output shows which path it took. The
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -41,13 +42,20 @@ def norms(mapping: Callable[[str], Any]) -> nn.Module:
     return model
 
 
-def test_prefer_runs_the_kernel_only_for_calls_its_rule_accepts(norms: nn.Module) -> None:
+def test_prefer_runs_the_kernel_only_for_calls_its_rule_accepts(
+    norms: nn.Module, caplog: pytest.LogCaptureFixture
+) -> None:
+    from kernelpolicy._dispatch import _logged
+
+    _logged.discard(("RMSNorm", REFUSED_F32))
     kp.kernel_accepts("RMSNorm", dtypes=[torch.bfloat16])
-    with kp.record_calls() as calls:
+    with caplog.at_level(logging.INFO, logger="kernelpolicy"), kp.record_calls() as calls:
         assert not kernel_ran(norms(F32))
         assert kernel_ran(norms(BF16).float())
     assert calls.by_layer() == {"RMSNorm": {"original": 2, "kernel": 2}}
     assert {key[3] for key, _ in calls.items()} == {REFUSED_F32, "kernel usable"}
+    # INFO: the rule declined calls as it was declared to (a warning is for a kernel that cannot run at all)
+    assert [r.levelno for r in caplog.records if REFUSED_F32 in r.getMessage()] == [logging.INFO]
 
 
 def test_require_names_the_argument_and_the_rule(norms: nn.Module) -> None:
@@ -84,6 +92,22 @@ def test_devices_and_a_check_on_the_call(norms: nn.Module) -> None:
     )
     kp.kernel_accepts("RMSNorm", check=lambda module, hidden_states: hidden_states.shape[-1] == 16)
     assert kernel_ran(norms(F32))
+
+
+@pytest.mark.skipif(not hasattr(BaseException, "add_note"), reason="exception notes: Python >= 3.11")
+def test_an_error_in_a_check_comes_out_unchanged_and_marked_as_the_checks(norms: nn.Module) -> None:
+    """Decided (issue 31): the error passes as it is (its type is the check's business), with a note naming it."""
+
+    def broken(module: nn.Module, hidden_states: torch.Tensor) -> bool:
+        raise KeyError("no such shape")
+
+    kp.kernel_accepts("RMSNorm", check=broken)
+    with pytest.raises(KeyError, match="no such shape") as raised:
+        norms(F32)
+    assert raised.value.__notes__ == [
+        "kernelpolicy: raised by the kernel_accepts check of kernel layer 'RMSNorm' "
+        "(kernelpolicy.testing.RMSNorm at 'a'), asked before its kernel runs"
+    ]
 
 
 def test_a_rule_reaches_modules_bound_before_and_goes_away(norms: nn.Module) -> None:
