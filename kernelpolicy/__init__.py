@@ -37,7 +37,7 @@ from ._scope import kernel_policy, kernels_disabled, propagate, set_default_poli
 
 if TYPE_CHECKING:
     from ._accounting import CallCounts, record_calls
-    from ._binding import (
+    from ._attach import (
         attach,
         kernel_accepts,
         kernelize,
@@ -56,12 +56,12 @@ __version__ = "0.1.0"
 # installed) cost no torch import; tools no forward needs likewise (import
 # time: see benchmarks, section "import").
 _LAZY = {
-    "attach": "._binding",
-    "kernel_accepts": "._binding",
-    "kernelize": "._binding",
-    "replace_kernel_forward_from_hub": "._binding",
-    "reset_failures": "._binding",
-    "use_kernel_forward_from_hub": "._binding",
+    "attach": "._attach",
+    "kernel_accepts": "._attach",
+    "kernelize": "._attach",
+    "replace_kernel_forward_from_hub": "._attach",
+    "reset_failures": "._attach",
+    "use_kernel_forward_from_hub": "._attach",
     "ExecutionState": "._state",
     "execution_state": "._state",
     "CallCounts": "._accounting",
@@ -75,7 +75,7 @@ _LAZY = {
 }
 
 
-#: Features that plug into the core through its hook lists (``_binding.ATTACH_HOOKS`` and ``NO_ORIGINAL``,
+#: Features that plug into the core through its hook lists (``_attach.ATTACH_HOOKS``, ``_aware.NO_ORIGINAL``,
 #: ``_explain.ROW_SOURCES`` and ``UNGOVERNED_SOURCES``) when imported: imported here, with the first name
 #: that needs torch, so that they are in place before any module is bound or explained.
 _FEATURES = ("._transformers", ".training", ".batching")

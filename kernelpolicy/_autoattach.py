@@ -117,7 +117,7 @@ def _look() -> bool:
 
 def _on_bind(module: nn.Module) -> None:
     """After kernels bound ``module`` (``_watch.ON_BIND``)."""
-    from ._binding import KERNELIZING, binding_of
+    from ._aware import KERNELIZING, binding_of
 
     # A policy-aware module took the binding through its own __setattr__; kernelpolicy.kernelize
     # attaches the model itself once kernels is done.
@@ -127,7 +127,8 @@ def _on_bind(module: nn.Module) -> None:
 
 def _found(module: nn.Module, model: nn.Module | None) -> None:
     """A module kernels bound that is not policy-aware: attach it (``auto_attach``) or record it."""
-    from ._binding import attach, binding_of
+    from ._attach import attach
+    from ._aware import binding_of
 
     if _AUTO:
         if model is not None:
@@ -181,7 +182,7 @@ def _bound_before() -> list[nn.Module]:
 
 
 def _make_aware(module: nn.Module, module_name: str | None) -> None:
-    from ._binding import _make_aware as make_aware
+    from ._aware import _make_aware as make_aware
 
     make_aware(module, module_name)
 
@@ -221,7 +222,7 @@ def _check(policy: Policy) -> None:
 
 def _still_unattached() -> list[nn.Module]:
     """The recorded modules that are not policy-aware yet (those attached since are dropped)."""
-    from ._binding import binding_of
+    from ._aware import binding_of
 
     with _LOCK:
         found = list(_UNATTACHED)
@@ -233,13 +234,13 @@ def _still_unattached() -> list[nn.Module]:
 
 def _runs_kernel(module: nn.Module) -> bool:
     """Whether kernels bound ``module`` a kernel (its instance forward is not its class's)."""
-    from ._binding import bound_forward
+    from ._aware import bound_forward
 
     return bound_forward(module) is not None
 
 
 def _runs_unattached_kernel(module: nn.Module) -> bool:
-    from ._binding import binding_of
+    from ._aware import binding_of
 
     return binding_of(module) is None and _runs_kernel(module)
 

@@ -1,913 +1,614 @@
-"""Layer binding: making modules policy-aware, and the interplay with ``kernels``.
+"""The binding: what kernelpolicy knows about one policy-aware module, and every call its fast exits do not take.
 
-This module owns :func:`attach`, :func:`kernelize`,
-:func:`use_kernel_forward_from_hub`, :func:`replace_kernel_forward_from_hub`
-and :func:`kernel_accepts` (a rule per kernel layer name; see ``_rules``).
-
-How a module becomes policy-aware. ``kernels.kernelize`` binds a kernel with
-``module.forward = MethodType(kernel_layer.forward, module)`` and rebinds on
-every call (transformers calls it again on ``model.train()`` / ``.eval()``).
-kernelpolicy gives the *instance* (never its class, never other instances) a
-cached subclass of its class, the way ``torch.nn.utils.parametrize`` does,
-with the same name and module. That subclass:
-
-- intercepts ``module.forward = ...`` in ``__setattr__``: the assigned forward
-  becomes the bound kernel (or "no kernel" when it is the class's own
-  forward) and the instance keeps the policy-aware dispatcher, so a later
-  ``kernels.kernelize`` updates the kernel and never removes kernelpolicy;
-- overrides ``_slow_forward``, which ``nn.Module`` calls instead of
-  ``forward`` while ``torch.jit.trace`` runs, so jit tracing is detected at
-  no cost in eager mode;
-- overrides ``__call__`` with :func:`_aware_call`, ``nn.Module.__call__`` and
-  ``_call_impl`` folded into one frame (see there), unless the class defines
-  its own ``__call__``, ``_wrapped_call_impl`` or ``_call_impl``, or torch's
-  call path reads other names than the one it was checked against
-  (:data:`FAST_CALL`);
-- deep-copies with its kernel and pickles as the original class (the kernel,
-  which lives in a dynamically loaded module, is dropped, as ``kernels``
-  itself does; re-kernelize after loading).
-
-The dispatcher itself is an instance attribute (``module.__dict__["forward"]``,
-a plain closure built by ``_dispatch.make_forward``), so ``module(x)`` pays no
-descriptor call.
-
-Features plug in here, and only here, through two hook lists they append to
-when imported (the package imports them before its first binding): this module
-imports none of them.
-
-- :data:`ATTACH_HOOKS`: called at the end of :func:`attach` as
-  ``hook(model, options)``, ``options`` being ``attach``'s feature options
-  (``attention_fallback``); transformers' attention kernels, activation
-  checkpointing.
-- :data:`NO_ORIGINAL`: called for each class forward a module is bound with,
-  as ``check(forward)``; a string says why there is no original forward
-  (transformers' fused layouts), and a call that would run it raises.
-- :data:`ORIGINALS`: called likewise as ``replace(forward, layer_name)``; a
-  function returned is the module's original forward instead (transformers'
-  functions with a package fallback: the torch path under ``disable``).
+This module owns :class:`Binding` (the module's original forward, its kernel and kernel variants, their
+declarations, its failures) and its slow path (:meth:`Binding.slow_path`): the decision of ``_dispatch``
+applied with everything the generated forward leaves out (``verify``, recorded calls, tracers, rules,
+variants, ``fallback_on``, DTensor's "no sharding strategy"), raising or logging as the mode says.
+``_aware`` makes a module policy-aware with a binding; ``_dispatch.make_forward`` builds its forward
+from it.
 """
 
 from __future__ import annotations
 
-import copy
-import functools
-import inspect
+import logging
 import sys
-import types
-import weakref
-from contextvars import ContextVar
-from typing import TYPE_CHECKING, Any, Final, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Final, NamedTuple, final
 
 import torch
-from torch import nn
-from torch.nn.modules import module as _torch_module
-from torch.nn.modules.module import (  # the names nn.Module._call_impl reads, for _aware_call
-    Module,
-    _global_backward_hooks,
-    _global_backward_pre_hooks,
-    _global_forward_hooks,
-    _global_forward_pre_hooks,
-)
+import torch.compiler as _compiler  # noqa: F401 - read by the generated forwards (TRACING_CHECK)
+import torch.fx._symbolic_trace as _fx  # noqa: F401 - read by the generated forwards (TRACING_CHECK)
+from torch import is_grad_enabled as _grad  # noqa: F401 - read by the generated forwards
+from torch.compiler import is_dynamo_compiling as _is_dynamo
 
-from . import _compat, _watch
-from ._active import DEFAULTS, ensure_env, register_variant
-from ._dispatch import Binding, kernel_of, make_forward
-from ._errors import PolicyError
-from ._policy import check_layer_name
-from ._rules import RULES, VARIANT_RULES, KernelRule
+from . import _state
+from ._active import DEFAULTS, RECORD_SUFFIX, RECORDERS, register_layer_name
+from ._compat import DYNAMO_DISABLE_MARK, kernel_repository
+from ._dispatch import (
+    DISABLED,
+    FAILED,
+    INELIGIBLE,
+    KERNEL_ON,
+    NO_KERNEL,
+    ORIGINAL,
+    UNVERIFIED_IN_TRANSFORM,
+    USABLE,
+    VERIFIED,
+    Path,
+    autograd_records,
+    decide,
+    make_forward,
+)
+from ._errors import KernelMismatchError, KernelUnavailableError, OriginalUnavailableError, unavailable_message
+from ._persisted import checked, persisting  # noqa: F401 - read by the generated forwards
+from ._policy import DEFAULT_VARIANT, VARIANTS, exception_types, variant_names
+from ._replay import Replays
+from ._rules import RULES, VARIANT_RULES, KernelRule, parameter_names
+from ._verify import tensors_in
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterable, Iterator, Mapping
+    from collections.abc import Callable
 
-    from kernels import KernelizeFallback
-    from kernels import Mode as KernelsMode
+    from torch import nn
 
-__all__ = [
-    "ATTACH_HOOKS",
-    "KERNELIZING",
-    "NO_ORIGINAL",
-    "ORIGINALS",
-    "attach",
-    "binding_of",
-    "bound_forward",
-    "kernel_accepts",
-    "kernel_modules",
-    "kernelize",
-    "replace_kernel_forward_from_hub",
-    "reset_failures",
-    "use_kernel_forward_from_hub",
-]
+    from ._state import ExecutionState
 
-_compat.check_torch()
+__all__ = ["LOCAL_SHARDS", "Binding", "Kernel", "has_dtensor", "kernel_of"]
 
-BINDING = "_kernelpolicy"
-_OURS = ("forward", BINDING)
-# Original class -> its policy-aware subclass, both held weakly: a class defined at run time
-# (a notebook cell, a test, remote code) is collected with its instances, as without kernelpolicy.
-_AWARE_CLASSES: weakref.WeakKeyDictionary[type[nn.Module], weakref.ref[type[nn.Module]]] = weakref.WeakKeyDictionary()
+logger = logging.getLogger("kernelpolicy")
 
-T = TypeVar("T")
-M = TypeVar("M", bound=nn.Module)
-
-#: ``hook(model, options)``, called at the end of :func:`attach` (see the module docstring).
-ATTACH_HOOKS: list[Callable[[nn.Module, Mapping[str, Any]], None]] = []
-#: ``check(class_forward) -> reason or None``: why a module has no original forward (see the module docstring).
-NO_ORIGINAL: list[Callable[[Callable[..., Any]], str | None]] = []
-#: ``replace(class_forward, layer_name) -> original or None``: another original forward (see the module docstring).
-ORIGINALS: list[Callable[[Callable[..., Any], str], Callable[..., Any] | None]] = []
-#: True while :func:`kernelize` runs ``kernels.kernelize``: it attaches the model itself, with its options.
-KERNELIZING: ContextVar[bool] = ContextVar("kernelpolicy.kernelizing", default=False)
-# The variant name :func:`kernelize` binds kernels under while kernels.kernelize runs (None: the default kernel).
-_VARIANT: ContextVar[str | None] = ContextVar("kernelpolicy.variant", default=None)
-# Kernel layer name -> its policy-aware modules alive, so that a new rule rebuilds their forwards.
-_AWARE_MODULES: dict[str, weakref.WeakSet[nn.Module]] = {}
+_logged: set[tuple[str, str]] = set()
 
 
-def binding_of(module: nn.Module) -> Binding | None:
-    """The binding of a policy-aware module, or None.
+class Kernel(NamedTuple):
+    """A kernel variant bound to a module (``kernelize(..., variant=name)``): called as ``function(module, ...)``."""
 
-    Takes in first a forward kernels removed behind the module's back (see :func:`_resync`).
-    """
-    if "forward" not in module.__dict__:
-        _resync(module)
-    return _stored_binding(module)
-
-
-def _stored_binding(module: nn.Module) -> Binding | None:
-    found = module.__dict__.get(BINDING)
-    return found if isinstance(found, Binding) else None
+    function: Callable[..., Any]
+    kernel_class: type | None
+    repository: str | None
+    can_torch_compile: bool
+    has_backward: bool
 
 
-def _resync(module: nn.Module) -> None:
-    """After kernels bound ``module``: take in what it did around ``module.forward = ...``.
-
-    kernels >= 0.19 falls back by popping the instance forward out of ``module.__dict__`` (no
-    ``__delattr__``): for a policy-aware module that removes the dispatcher, so the module would run its
-    original forward under every policy while its binding still named the old kernel. Here that becomes
-    what kernels meant, "no kernel" (or, while :func:`kernelize` binds a variant, "no such variant"). Called
-    by the watch on kernels' binding function (``_watch``), by :func:`kernelize` after kernels is done, by
-    :func:`attach`, and by :func:`binding_of`, so that ``explain``, ``require`` and copies are right even where
-    kernels' binding function cannot be watched.
-    """
-    binding = _stored_binding(module)
-    if binding is not None and "forward" not in module.__dict__:
-        _bind(module, None, binding.module_name)
-
-
-_watch.ON_BIND.append(_resync)
-
-
-def kernel_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
-    """Every kernel-capable module under ``model`` with its qualified name.
-
-    Layers marked with ``use_kernel_forward_from_hub`` and kernel functions
-    attached with ``use_kernelized_func`` (named ``<owner>.<function>``; one
-    function module may serve many owners, it is listed once).
-    """
-    seen: set[int] = set()
-    for name, module in model.named_modules():
-        if hasattr(type(module), "kernel_layer_name") and id(module) not in seen:
-            seen.add(id(module))
-            yield name, module
-        funcs = module.__dict__.get("_kernel_funcs")
-        if isinstance(funcs, dict):
-            for func_name, func in funcs.items():
-                if isinstance(func, nn.Module) and id(func) not in seen:
-                    seen.add(id(func))
-                    yield (f"{name}.{func_name}" if name else func_name), func
-
-
-def attach(model: M, *, attention_fallback: str | None = None) -> M:
-    """Make every kernel-capable module of an already kernelized model policy-aware.
-
-    For models kernelized by ``kernels.kernelize`` or by transformers'
-    ``use_kernels=True``. A transformers model whose attention is a hub
-    kernel (``attn_implementation="org/repo"``) gets it under the policy name
-    ``attention``, falling back to ``attention_fallback`` (default ``sdpa``,
-    ``eager`` where the model has no sdpa; see ``_transformers``). The
-    model's activation checkpointing (transformers', ``checkpoint_wrapper``)
-    recomputes under the policy of the forward (see
-    :mod:`kernelpolicy.training`). Idempotent; returns ``model``.
-
-    >>> import torch, kernels, kernelpolicy
-    >>> @kernels.use_kernel_forward_from_hub("Double")
-    ... class Double(torch.nn.Module):
-    ...     def forward(self, x):
-    ...         return 2 * x
-    >>> model = kernelpolicy.attach(torch.nn.Sequential(Double()))
-    >>> with kernelpolicy.kernel_policy("require"):
-    ...     model(torch.ones(1))
-    Traceback (most recent call last):
-    ...
-    kernelpolicy.KernelUnavailableError: kernel required but unavailable for module '0' (...Double, kernel layer 'Double'): no kernel bound
-    """
-    ensure_env()
-    _watch.watch()
-    for name, module in kernel_modules(model):
-        _make_aware(module, name or None)
-    options = {"attention_fallback": attention_fallback}
-    for hook in ATTACH_HOOKS:
-        hook(model, options)
-    return model
-
-
-def kernelize(
-    model: M,
-    *,
-    mode: KernelsMode | str,
-    device: str | torch.device | None = None,
-    use_fallback: bool | KernelizeFallback = True,
-    attention_fallback: str | None = None,
-    variant: str | None = None,
-) -> M:
-    """``kernels.kernelize`` with the same arguments, then :func:`attach` (with ``attention_fallback``).
-
-    ``mode`` is kernels' (which kernel variants to bind), not a policy mode:
-    a ``kernels.Mode`` or a string such as ``"inference"`` or
-    ``"training|torch_compile"``.
-
-    ``variant``: bind the kernels of the mapping in effect as a named variant, next to the kernel each layer
-    already has (the ``default`` variant) and the other variants; a policy entry ``"kernel:name|..."``
-    chooses among them per call (``kernel_policy(RMSNorm="kernel:liger|default")``: liger where it can run,
-    else the default kernel, else the original forward). A layer the mapping has no kernel for loses that
-    variant. Kernelizing again without ``variant`` (transformers' ``train()``/``eval()`` do) keeps the variants.
-    """
-    if variant is not None:
-        _check_variant_name(variant)
-        attach(model, attention_fallback=attention_fallback)  # every module policy-aware: kernels' bindings land here
-    kernels = _compat.kernels()
-    _watch.watch()
-    repos_before = {id(module): module.__dict__.get(REPO) for _, module in kernel_modules(model)}
-    token, named = KERNELIZING.set(True), _VARIANT.set(variant)
-    try:
-        kernels.kernelize(model, mode=_kernels_mode(mode), device=device, use_fallback=use_fallback)
-        for _, module in kernel_modules(model):
-            _resync(module)  # a forward kernels popped while no watch was installed
-            if variant is not None:
-                _variant_repository(module, variant, repos_before.get(id(module)))
-    finally:
-        _VARIANT.reset(named)
-        KERNELIZING.reset(token)
-    return attach(model, attention_fallback=attention_fallback)
-
-
-#: kernels >= 0.19 records the repository of a module's kernel on the module (see ``_compat``).
-REPO: Final = _compat.KERNEL_REPO_ATTRIBUTE
-
-
-def _variant_repository(module: nn.Module, variant: str, before: object) -> None:
-    """After binding ``variant``: give it the repository kernels recorded, and put back the default kernel's.
-
-    kernels >= 0.19 records the repository of what it bound on the module, which its public
-    ``get_kernelized_layers`` reports as the module's kernel: that stays the default kernel's.
-    """
-    binding = binding_of(module)
-    kernel = binding.variants.get(variant) if binding is not None else None
-    if binding is not None and kernel is not None:
-        recorded = module.__dict__.get(REPO)
-        repository = (
-            _compat.describe_repository(recorded)
-            if recorded is not None and recorded is not before
-            else _compat.cached_layer_repository(kernel.function)
-        )
-        binding.variants[variant] = kernel._replace(repository=repository)
-    if before is None:
-        module.__dict__.pop(REPO, None)
-    else:
-        module.__dict__[REPO] = before
-
-
-def _check_variant_name(name: object) -> None:
-    from ._policy import DEFAULT_VARIANT, MODES
-
-    if not isinstance(name, str) or not name.isidentifier() or name in MODES or name == DEFAULT_VARIANT:
-        raise PolicyError(
-            f"kernelize(variant=...) takes an identifier other than the modes and {DEFAULT_VARIANT!r} "
-            f"(the kernel bound without a variant name); got {name!r}"
-        )
-
-
-def _kernels_mode(mode: object) -> KernelsMode:
-    Mode = _compat.kernels().Mode  # noqa: N806 - the kernels class
-
-    if isinstance(mode, Mode):
-        return mode
-    valid = ", ".join(repr(m.name.lower()) for m in Mode if m.name and m.name != "FALLBACK")
-    if not isinstance(mode, str) or not mode.strip():
-        raise ValueError(f"unknown kernelize mode {mode!r}; give a kernels.Mode or a '|'-joined string of {valid}")
-    result = None
-    for part in mode.split("|"):
-        member = Mode.__members__.get(part.strip().upper())
-        if member is None or member is Mode.FALLBACK:
-            raise ValueError(f"unknown kernelize mode {part.strip()!r} in {mode!r}; valid modes are {valid}")
-        result = member if result is None else result | member
-    return result
-
-
-def use_kernel_forward_from_hub(
-    layer_name: str, condition: Callable[[nn.Module], bool] | None = None
-) -> Callable[[T], T]:
-    """Drop-in for ``kernels.use_kernel_forward_from_hub``: also policy-aware from the start.
-
-    On a class, every instance (and every instance of a subclass) is
-    policy-aware as soon as it is constructed, so ``require`` raises even
-    before any kernelize. On a function, the returned ``Func`` module is.
-    ``condition`` is kernels' (>= 0.17): ``kernelize`` binds a kernel only to
-    the instances for which it returns True.
-    """
-    ensure_env()  # KERNELPOLICY holds from the first forward of a marked class
-    mark = _compat.kernels().use_kernel_forward_from_hub(
-        layer_name, *_condition(condition, "use_kernel_forward_from_hub")
+def kernel_of(function: Callable[..., Any], kernel_class: type | None, repository: str | None) -> Kernel:
+    """A :class:`Kernel` with the declarations its kernel layer class makes."""
+    return Kernel(
+        function,
+        kernel_class,
+        repository,
+        getattr(kernel_class, "can_torch_compile", False) is True,
+        getattr(kernel_class, "has_backward", True) is not False,
     )
 
-    def decorator(obj: T) -> T:
-        marked = mark(obj)
-        if isinstance(marked, nn.Module):
-            _make_aware(marked, None)
-        elif inspect.isclass(marked):
-            _make_class_aware(cast("type", marked))
-        return cast("T", marked)
 
-    return decorator
+@final
+class Binding:
+    """What kernelpolicy knows about one policy-aware module.
 
+    ``kernel`` is called as ``kernel(module, *args, **kwargs)`` (the kernel
+    layer's ``forward`` function); ``original`` likewise.
+    """
 
-def replace_kernel_forward_from_hub(
-    cls: type[nn.Module], layer_name: str, condition: Callable[[nn.Module], bool] | None = None
-) -> None:
-    """Drop-in for ``kernels.replace_kernel_forward_from_hub`` that also makes ``cls`` policy-aware."""
-    ensure_env()
-    _compat.kernels().replace_kernel_forward_from_hub(
-        cls, layer_name, *_condition(condition, "replace_kernel_forward_from_hub")
+    __slots__ = (
+        "can_torch_compile",
+        "dropped",
+        "dtensor_failure",
+        "failures",
+        "has_backward",
+        "kernel",
+        "kernel_class",
+        "last_failure",
+        "layer_name",
+        "module",
+        "module_class",
+        "module_name",
+        "no_original",
+        "original",
+        "parameters",
+        "replays",
+        "repository",
+        "stopped",
+        "variants",
     )
-    _make_class_aware(cls)
 
-
-def _condition(condition: Callable[[nn.Module], bool] | None, what: str) -> tuple[Any, ...]:
-    """kernels' ``condition`` argument, passed only when given (kernels 0.16 has none)."""
-    if condition is None:
-        return ()
-    if "condition" not in inspect.signature(getattr(_compat.kernels(), what)).parameters:
-        from importlib.metadata import version
-
-        raise TypeError(f"{what}(condition=...) needs kernels >= 0.17 (installed: {version('kernels')})")
-    return (condition,)
-
-
-def kernel_accepts(
-    layer_name: str,
-    *,
-    dtypes: Iterable[torch.dtype] | None = None,
-    devices: Iterable[str] | None = None,
-    check: Callable[..., bool | str | None] | None = None,
-    variant: str | None = None,
-) -> None:
-    """Declare which calls the kernels of ``layer_name`` accept; the others take the original forward.
-
-    Checked at every call that would run the kernel: ``dtypes``, the dtypes its floating-point tensor
-    arguments may have; ``devices``, the device types of its tensor arguments (``"cuda"``, ``"cpu"``, ...);
-    ``check(module, *args, **kwargs)``, True to accept, False or a string saying why not to refuse. Under
-    ``prefer`` a refused call runs the original forward (logged once per reason, recorded by
-    ``record_calls``); under ``require`` it raises :class:`~kernelpolicy.KernelUnavailableError` naming the
-    argument and the rule. Under ``torch.compile`` the rule runs at trace time and its reads (dtypes,
-    devices, shapes) are guarded: each outcome is one program, without a graph break; a ``check`` must read
-    what tensors are, not what they hold. ``explain`` shows the rule; ``explain(model, *example_args)`` says
-    what these inputs get. Replaces the layer's earlier rule, for modules bound before and after; no
-    criteria removes it. With ``variant``, the rule is that kernel variant's alone (on top of the layer's):
-    under ``"kernel:half|fast"`` a call ``half`` refuses goes to ``fast``. A rule costs an eager call about 1 µs (dtypes; 2 µs with devices and a check,
-    against 18 µs for an RMSNorm call on a CPU; a refused call takes the slow path, 6 µs;
-    ``benchmarks/eligibility.py``); layers without a rule pay nothing.
-
-    >>> import types, torch, kernelpolicy
-    >>> @kernelpolicy.use_kernel_forward_from_hub("HalfOnly")
-    ... class HalfOnly(torch.nn.Module):
-    ...     def forward(self, x):
-    ...         return x
-    >>> class PlusOne(torch.nn.Module):  # a kernel layer, as a kernel repository has them
-    ...     def forward(self, x):
-    ...         return x + 1
-    >>> layer = HalfOnly()
-    >>> layer.forward = types.MethodType(PlusOne.forward, layer)  # as kernels.kernelize binds it
-    >>> kernelpolicy.kernel_accepts("HalfOnly", dtypes=[torch.float16, torch.bfloat16])
-    >>> layer(torch.ones(1, dtype=torch.float16)), layer(torch.ones(1))
-    (tensor([2.], dtype=torch.float16), tensor([1.]))
-    >>> with kernelpolicy.kernel_policy("require"):
-    ...     layer(torch.ones(1))
-    Traceback (most recent call last):
-    ...
-    kernelpolicy.KernelUnavailableError: kernel required but unavailable for an unnamed module (...): kernel does not accept this call: argument 0 (x) has dtype torch.float32; the kernel accepts torch.bfloat16, torch.float16
-    >>> kernelpolicy.kernel_accepts("HalfOnly")  # accepts every call again
-    """
-    name = check_layer_name(layer_name)
-    if variant is not None:
-        _check_variant_name(variant)
-    rule = KernelRule(name, _dtypes(dtypes), _devices(devices), _check(check))
-    rules: dict[Any, KernelRule] = RULES if variant is None else VARIANT_RULES
-    key = name if variant is None else (name, variant)
-    if rule.dtypes is None and rule.devices is None and rule.check is None:
-        rules.pop(key, None)
-    else:
-        rules[key] = rule
-    for module in list(_AWARE_MODULES.get(name, ())):
-        binding = binding_of(module)
-        if binding is not None:
-            module.__dict__["forward"] = make_forward(binding)
-
-
-def reset_failures(model: nn.Module) -> None:
-    """Forget the kernel failures counted under the ``fallback_on`` option in ``model``; stopped kernels run again.
-
-    With ``kernel_policy("prefer", fallback_on=RuntimeError, max_failures=3)``, a module whose kernel
-    raised a ``RuntimeError`` three times stops trying it (``explain`` says so); this turns it back on.
-    """
-    for _, module in kernel_modules(model):
-        binding = binding_of(module)
-        if binding is not None:
-            binding.reset_failures()
-
-
-def _dtypes(dtypes: Iterable[torch.dtype] | None) -> frozenset[torch.dtype] | None:
-    if dtypes is None:
-        return None
-    found = frozenset(dtypes) if not isinstance(dtypes, torch.dtype) else frozenset((dtypes,))
-    bad = [d for d in found if not isinstance(d, torch.dtype) or not d.is_floating_point]
-    if bad or not found:
-        raise TypeError(
-            f"kernel_accepts(dtypes=...) takes floating-point torch dtypes (torch.float16, torch.bfloat16, "
-            f"torch.float32, ...); got {bad[0] if bad else 'none'!r}"
-        )
-    return found
-
-
-def _devices(devices: Iterable[str] | None) -> frozenset[str] | None:
-    if devices is None:
-        return None
-    found = frozenset((devices,)) if isinstance(devices, str) else frozenset(devices)
-    for device in found:
-        try:
-            valid = isinstance(device, str) and torch.device(device).type == device
-        except RuntimeError:
-            valid = False
-        if not valid:
-            raise ValueError(
-                f"kernel_accepts(devices=...) takes device types such as 'cuda', 'cpu', 'mps', 'xpu'; got {device!r}"
-            )
-    if not found:
-        raise ValueError("kernel_accepts(devices=...) got no device type; leave it out to accept every device")
-    return found
-
-
-def _check(check: Callable[..., bool | str | None] | None) -> Callable[..., bool | str | None] | None:
-    if check is not None and not callable(check):
-        raise TypeError(f"kernel_accepts(check=...) takes a function of (module, *args, **kwargs); got {check!r}")
-    return check
-
-
-# --- making modules and classes aware ---------------------------------------------------------
-
-
-def _make_aware(module: nn.Module, module_name: str | None) -> None:
-    existing = binding_of(module)  # resynced: a forward kernels removed is taken in
-    if existing is not None:
-        if module_name is not None and existing.module_name is None:
-            existing.module_name = module_name
-        return
-    cls = type(module)
-    if not getattr(cls, "_kernelpolicy_aware", False):
-        module.__class__ = _aware_class(cls)
-    _bind(module, module.__dict__.get("forward"), module_name)
-
-
-def _bind(module: nn.Module, assigned: Any, module_name: str | None) -> None:
-    """Bind ``assigned`` (what was set as ``module.forward``) as the module's kernel, or as the variant being bound."""
-    _skip_as_dynamo_frame()
-    _watch.watch()
-    original = _class_forward(module)
-    kernel = _kernel_function(module, assigned, original)
-    kernel_class = _kernel_class(kernel)
-    repository = None  # known once kernels is done binding: Binding.kernel_name asks _compat
-    existing = _stored_binding(module)
-    variant = _VARIANT.get()
-    if variant is not None and existing is not None:
-        if kernel is None:
-            existing.variants.pop(variant, None)
-        else:
-            existing.variants[variant] = kernel_of(kernel, kernel_class, repository)
-            register_variant(existing.layer_name, variant)
-        module.__dict__["forward"] = make_forward(existing)
-        return
-    no_original = next((reason for check in NO_ORIGINAL if (reason := check(original)) is not None), None)
-    layer_name = str(type(module).kernel_layer_name)  # type: ignore[attr-defined]
-    original = next((found for replace in ORIGINALS if (found := replace(original, layer_name))), original)
-    binding = Binding(
-        module=module,
-        module_name=module_name,
-        layer_name=layer_name,
-        original=_on_own_module(module, original),
-        kernel=kernel,
-        kernel_class=kernel_class,
-        repository=repository,
-        no_original=no_original,
-    )
-    if existing is not None:
-        binding.variants = existing.variants  # kernelized again (train()/eval()): the variants stay
-    module.__dict__[BINDING] = binding
-    module.__dict__["forward"] = make_forward(binding)
-    _AWARE_MODULES.setdefault(binding.layer_name, weakref.WeakSet()).add(module)
-
-
-def _on_own_module(module: nn.Module, original: Callable[..., Any]) -> Callable[..., Any]:
-    """``original``, run on ``module`` itself whatever module the call names, for kernels' function wrappers.
-
-    A kernels >= 0.19 function module routes a call by the module it runs on (``_compat.routes_by_module``):
-    under compile the function's global module calls a model's wrapper's forward with itself as ``self``, and
-    the original forward run on the global module would route the call back to the wrapper, without end.
-    """
-    if not _compat.routes_by_module(original):
-        return original
-
-    @functools.wraps(original)
-    def forward(_module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        return original(module, *args, **kwargs)
-
-    return forward
-
-
-def bound_forward(module: nn.Module) -> types.MethodType | None:
-    """The forward bound on ``module`` itself in place of its class's, or None (the one test of "bound a kernel").
-
-    kernels binds a kernel as ``module.forward = MethodType(kernel_forward, module)``, and so does
-    kernelpolicy with its policy-aware forward: :func:`binding_of` tells the two apart.
-    """
-    assigned = module.__dict__.get("forward")
-    if not isinstance(assigned, types.MethodType) or assigned.__self__ is not module:
-        return None
-    return None if assigned.__func__ is _class_forward(module) else assigned
-
-
-def _kernel_function(module: nn.Module, assigned: Any, original: Callable[..., Any]) -> Callable[..., Any] | None:
-    """The kernel ``assigned`` binds (called as ``kernel(module, ...)``), or None for the class's own forward."""
-    if assigned is None:
-        return None
-    if isinstance(assigned, types.MethodType) and assigned.__self__ is module:
-        return None if assigned.__func__ is original else assigned.__func__
-    if callable(assigned):
-        bound = assigned
-        return functools.wraps(bound)(lambda _module, *args, **kwargs: bound(*args, **kwargs))
-    return None
-
-
-def _class_forward(module: nn.Module) -> Callable[..., Any]:
-    return cast("Callable[..., Any]", inspect.getattr_static(type(module), "forward"))
-
-
-def _kernel_class(kernel: Callable[..., Any] | None) -> type | None:
-    """The kernel layer class whose ``forward`` ``kernel`` is, when it can be found from the function."""
-    if kernel is None:
-        return None
-    owner: Any = sys.modules.get(getattr(kernel, "__module__", "") or "")
-    for part in getattr(kernel, "__qualname__", "").split(".")[:-1]:
-        owner = getattr(owner, part, None)
-    return owner if inspect.isclass(owner) else None
-
-
-def _aware_class(cls: type[nn.Module]) -> type[nn.Module]:
-    ref = _AWARE_CLASSES.get(cls)
-    found = ref() if ref is not None else None
-    if found is None:
-        namespace: dict[str, Any] = {
-            "__module__": cls.__module__,
-            "__qualname__": cls.__qualname__,
-            "__doc__": cls.__doc__,
-            "_kernelpolicy_original": cls,
-        }
-        namespace.update(_aware_members(cls))
-        found = type(cls.__name__, (cls,), namespace)
-        _AWARE_CLASSES[cls] = weakref.ref(found)
-    return found
-
-
-def _make_class_aware(cls: type[nn.Module]) -> None:
-    if cls.__dict__.get("_kernelpolicy_aware"):
-        return
-    for name, member in _aware_members(cls).items():
-        setattr(cls, name, member)
-    original_init = cls.__dict__.get("__init__") or cls.__init__
-
-    @functools.wraps(original_init)
-    def __init__(self: nn.Module, *args: Any, **kwargs: Any) -> None:
-        original_init(self, *args, **kwargs)
-        if binding_of(self) is None:
-            _bind(self, self.__dict__.get("forward"), None)
-
-    cls.__init__ = __init__  # type: ignore[method-assign]
-
-
-_CALL_NAMES = ("__call__", "_wrapped_call_impl", "_call_impl")
-
-
-def _aware_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """``module(...)`` for a policy-aware module: ``nn.Module.__call__`` in one frame.
-
-    ``nn.Module.__call__`` (``_wrapped_call_impl``) calls ``_call_impl``,
-    which calls ``forward``: with kernelpolicy's dispatching ``forward`` that
-    is one Python frame more than ``kernels``' direct binding. This is the
-    fast path of those two frames (torch 2.13, ``nn.Module._call_impl``):
-    with no compiled call (``module.compile()``), no jit tracer and no module
-    or global hook, call ``forward``. In every other case, and whenever
-    something has patched ``nn.Module.__call__`` (``torch.fx`` tracing does),
-    it calls ``nn.Module.__call__`` itself, so hooks, ``_slow_forward`` and
-    patchers run exactly as without it.
-
-    The function runs with the globals of ``torch.nn.modules.module`` (see
-    below), so TorchDynamo reads the global hook dicts, ``Module`` and
-    ``torch`` from the same source as in ``nn.Module._call_impl``: no
-    aliasing guards between the two.
-    """
-    if (
-        self._compiled_call_impl is not None
-        or torch._C._get_tracing_state()
-        or self._backward_hooks
-        or self._backward_pre_hooks
-        or self._forward_hooks
-        or self._forward_pre_hooks
-        or _global_backward_pre_hooks
-        or _global_backward_hooks
-        or _global_forward_hooks
-        or _global_forward_pre_hooks
-        or Module.__call__ is not Module._wrapped_call_impl
-    ):
-        return Module.__call__(self, *args, **kwargs)
-    return self.forward(*args, **kwargs)
-
-
-def _with_torch_globals(function: Callable[..., Any]) -> Callable[..., Any]:
-    """``function`` rebuilt over the globals of ``torch.nn.modules.module``, which define all it reads."""
-    namespace = vars(_torch_module)
-    for name in function.__code__.co_names:
-        if name in function.__globals__ and namespace.get(name) is not function.__globals__[name]:
-            raise RuntimeError(f"torch.nn.modules.module.{name} is not what kernelpolicy expects")  # pragma: no cover
-    rebuilt = types.FunctionType(function.__code__, namespace, function.__name__)
-    rebuilt.__qualname__ = function.__qualname__
-    rebuilt.__module__ = function.__module__
-    rebuilt.__doc__ = function.__doc__
-    return rebuilt
-
-
-_aware_call = _with_torch_globals(_aware_call)
-
-
-_FRAME_SKIPPED = False
-
-
-def _skip_as_dynamo_frame() -> None:
-    """Have TorchDynamo skip ``_aware_call`` as a frame, as it skips ``nn.Module.__call__``.
-
-    A compiled region that resumes in eager code after a graph break converts the frames it then enters:
-    for a plain module it starts at ``forward``; at ``_aware_call`` it would trace the call path and its
-    hooks (FSDP2's pre-forward hook is ``torch._dynamo.disable``d: one more graph break). Skipping the
-    frame (``torch._dynamo.eval_frame.skip_code``; inlining in traced code is unaffected) restores torch's
-    behaviour. Done once Dynamo is imported, at the first binding after that (Dynamo takes over a second to
-    import, so kernelpolicy never imports it).
-    """
-    global _FRAME_SKIPPED
-    if _FRAME_SKIPPED:
-        return
-    skip = getattr(sys.modules.get("torch._dynamo.eval_frame"), "skip_code", None)
-    if skip is not None:
-        skip(_aware_call.__code__)
-        _FRAME_SKIPPED = True
-
-
-# The names ``nn.Module._wrapped_call_impl`` and ``_call_impl`` read in the
-# torch versions whose fast path ``_aware_call`` reproduces: 2.9 to 2.14, and
-# 2.15, which asks ``torch._C._is_tracing()`` where earlier releases asked
-# ``_get_tracing_state()`` (the same answer; ``_aware_call`` asks the latter,
-# present in both). A torch whose call path reads anything else (a new hook
-# dict, say) gets no ``__call__`` override: correct, one frame slower.
-# ``python -m kernelpolicy doctor`` reports which.
-_CALL_NAMES_2_9 = frozenset(
-    {
-        "_C", "_backward_hooks", "_backward_pre_hooks", "_call_impl", "_compiled_call_impl", "_forward_hooks",
-        "_forward_hooks_always_called", "_forward_hooks_with_kwargs", "_forward_pre_hooks", "_get_tracing_state",
-        "_global_backward_hooks", "_global_backward_pre_hooks", "_global_forward_hooks",
-        "_global_forward_hooks_always_called", "_global_forward_pre_hooks", "_slow_forward", "compiler",
-        "Exception", "forward", "is_compiling", "items", "set", "str", "torch", "warn", "warnings",
-    }
-)  # fmt: skip
-_CHECKED_CALL_NAMES: Final = (_CALL_NAMES_2_9, _CALL_NAMES_2_9 - {"_get_tracing_state"} | {"_is_tracing"})
-
-
-def torch_call_names() -> frozenset[str]:
-    """The global and attribute names torch's ``nn.Module.__call__`` path reads."""
-    return frozenset(Module._wrapped_call_impl.__code__.co_names) | frozenset(Module._call_impl.__code__.co_names)
-
-
-#: Whether policy-aware classes get :func:`_aware_call` on this torch.
-FAST_CALL: Final = torch_call_names() in _CHECKED_CALL_NAMES
-
-
-def _plain_call(cls: type[nn.Module]) -> bool:
-    """Whether ``cls`` calls like ``nn.Module`` (no ``__call__`` or ``_call_impl`` of its own)."""
-    return all(getattr(cls, name, None) is getattr(Module, name) for name in _CALL_NAMES)
-
-
-def _aware_members(cls: type[nn.Module]) -> dict[str, Any]:
-    """``__setattr__``, ``__delattr__``, ``_slow_forward``, ``__call__`` and copy support for an aware class."""
-    parent_setattr = cls.__setattr__
-    parent_delattr = cls.__delattr__
-    parent_slow_forward: Callable[..., Any] = cls._slow_forward
-
-    def __setattr__(self: nn.Module, name: str, value: Any) -> None:
-        if name == "forward" and BINDING in self.__dict__:
-            _bind(self, value, self.__dict__[BINDING].module_name)
-        else:
-            parent_setattr(self, name, value)
-
-    def __delattr__(self: nn.Module, name: str) -> None:
-        if name == "forward" and BINDING in self.__dict__:
-            _bind(self, None, self.__dict__[BINDING].module_name)
-        else:
-            parent_delattr(self, name)
-
-    def _slow_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        binding = binding_of(self)
-        tracing_state = torch._C._get_tracing_state()
-        if binding is None or not tracing_state:
-            return parent_slow_forward(self, *args, **kwargs)
-        # As nn.Module._slow_forward does: record this module's scope in the trace.
-        module_map = torch.jit._trace._trace_module_map
-        scope = module_map.get(self) if module_map is not None else None
-        if scope:
-            tracing_state.push_scope(scope)
-        try:
-            # The same table entry the eager forward reads, so recorded calls are counted here too.
-            mode = getattr(DEFAULTS.active._current.modes, binding.layer_name)
-            return binding.slow_path(mode, args, kwargs, "jit")
-        finally:
-            if scope:
-                tracing_state.pop_scope()
-
-    def __reduce_ex__(self: nn.Module, protocol: Any) -> Any:
-        binding = binding_of(self)
-        dropped = binding.kernel_name() if binding is not None else None
-        return (_restore, (_original_class(self), _own_state(self), None, _module_name(self), dropped))
-
-    def __copy__(self: nn.Module) -> nn.Module:
-        return _copied(self, _own_state(self))  # shallow, as copy.copy: parameters and buffers are shared
-
-    def __deepcopy__(self: nn.Module, memo: dict[int, Any]) -> nn.Module:
-        return _copied(self, _own_state(self), memo)
-
-    members: dict[str, Any] = {
-        "_kernelpolicy_aware": True,
-        "__setattr__": __setattr__,
-        "__delattr__": __delattr__,
-        "_slow_forward": _slow_forward,
-        "__reduce_ex__": __reduce_ex__,
-        "__copy__": __copy__,
-        "__deepcopy__": __deepcopy__,
-    }
-    if FAST_CALL and _plain_call(cls):
-        members["__call__"] = _aware_call
-    members.update(_own_copy_members(cls))
-    return members
-
-
-def _own_copy_members(cls: type[nn.Module]) -> dict[str, Any]:
-    """Copy and pickle support for a class that has its own (kernels >= 0.19's function wrappers).
-
-    Such a class copies and pickles itself with its kernel (a wrapper is rebuilt by name and gets its
-    kernel's forward back). Its own ``__copy__`` and ``__reduce__`` run here on a plain view of the module, as
-    kernels left it (:func:`_as_kernels_bound`), and the result is made policy-aware again.
-    """
-    members: dict[str, Any] = {}
-    parent_copy = _defined_below_module(cls, "__copy__")
-    parent_reduce = _defined_below_module(cls, "__reduce__")
-    parent_setstate: Callable[..., Any] = cls.__setstate__
-
-    if parent_copy is not None:
-
-        def __copy__(self: nn.Module) -> nn.Module:
-            new: nn.Module = parent_copy(_as_kernels_bound(self))
-            _make_copy_aware(new, self)
-            return new
-
-        members["__copy__"] = __copy__
-    if parent_reduce is not None:
-
-        def __reduce_ex__(self: nn.Module, protocol: Any) -> Any:
-            by_name = parent_reduce(self)
-            if isinstance(by_name, str):
-                return by_name  # the function's global module: pickled by its name
-            rebuild, arguments, *state = parent_reduce(_as_kernels_bound(self))
-            return (_restore_reduced, (rebuild, arguments, _module_name(self)), *state)
-
-        def __setstate__(self: nn.Module, state: Any) -> None:
-            pending = self.__dict__.pop(_PENDING, None)
-            parent_setstate(self, state)
-            if pending is not None:
-                _make_aware(self, pending[0])
-
-        members["__reduce_ex__"] = __reduce_ex__
-        members["__setstate__"] = __setstate__
-    return members
-
-
-def _defined_below_module(cls: type, name: str) -> Callable[..., Any] | None:
-    """``cls``'s own ``name`` (itself or a base below ``nn.Module``), or None if it only has nn.Module's or object's."""
-    for klass in cls.__mro__:
-        if klass is nn.Module or klass is object:
+    def __init__(
+        self,
+        *,
+        module: nn.Module,
+        module_name: str | None,
+        layer_name: str,
+        original: Callable[..., Any],
+        kernel: Callable[..., Any] | None,
+        kernel_class: type | None,
+        repository: str | None,
+        no_original: str | None = None,
+    ) -> None:
+        self.module = module
+        self.module_name = module_name
+        self.layer_name = layer_name
+        register_layer_name(layer_name)
+        self.module_class = _class_name(module)
+        #: Why the module has no original forward (a fused layout), or None; ``original`` then raises that.
+        self.no_original = no_original
+        if no_original is not None:
+
+            def original(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+                raise self.error(no_original)
+
+        self.original = original
+        #: The forward's parameter names after ``self``: a rule's refusal names the argument.
+        self.parameters = parameter_names(original)
+        self.kernel = kernel
+        self.kernel_class = kernel_class
+        self.repository = repository
+        self.can_torch_compile = kernel is not None and getattr(kernel_class, "can_torch_compile", False) is True
+        self.has_backward = kernel is None or getattr(kernel_class, "has_backward", True) is not False
+        #: The last "no sharding strategy" error of the kernel on DTensor arguments, for ``explain``.
+        self.dtensor_failure: str | None = None
+        #: The kernel this module had before it was pickled (pickling drops kernels), for ``explain``.
+        self.dropped: str | None = None
+        #: Failures of the kernel that ``fallback_on`` caught, the last one, and why it is off (``max_failures``).
+        self.failures = 0
+        self.last_failure: str | None = None
+        self.stopped: str | None = None
+        #: Kernel variants by name (``kernelize(..., variant=name)``), chosen by a policy entry "kernel:name|...".
+        self.variants: dict[str, Kernel] = {}
+        #: What the forward recorded for recomputations in backward (activation checkpointing), see ``_replay``.
+        self.replays = Replays(self)
+
+    def kernel_name(self) -> str | None:
+        """The bound kernel as ``explain`` shows it: its repository and layer when known, else its class; None without."""
+        if self.kernel is None:
             return None
-        if name in vars(klass) and not getattr(klass, "_kernelpolicy_aware", False):
-            return cast("Callable[..., Any]", vars(klass)[name])
-    return None
+        repository = self.repository or kernel_repository(self.module, self.kernel)
+        if repository is not None:
+            return repository
+        if self.kernel_class is not None:
+            return f"{self.kernel_class.__module__}.{self.kernel_class.__qualname__}"
+        return str(getattr(self.kernel, "__qualname__", self.kernel))
+
+    def decide(
+        self, mode: str, state: ExecutionState, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> tuple[Path, str]:
+        """The path of a call with ``args`` and ``kwargs`` under ``mode`` (a mode, or a variant entry).
+
+        Without them: of a call whose arguments need no grad and that the layer's rule accepts.
+        """
+        if mode.startswith(VARIANTS):
+            path, reason, _, _ = self.choose(mode, state, args, kwargs)
+            return path, reason
+        flags = {
+            "has_kernel": self.kernel is not None,
+            "can_torch_compile": self.can_torch_compile,
+            "has_backward": self.has_backward,
+            "state": state,
+            "needs_backward": not self.has_backward and autograd_records(self.module, args, kwargs),
+        }
+        path, reason = decide(mode, **flags)  # type: ignore[arg-type]
+        if path == "kernel" and (self.stopped is not None or args or kwargs):  # asked only if the kernel would run
+            refused = self.refused(self.module, args, kwargs or {})
+            if refused is not None:
+                path, reason = decide(mode, **flags, refused=refused)  # type: ignore[arg-type]
+        if reason == NO_KERNEL and self.dropped is not None:
+            reason = f"{NO_KERNEL}: {self.dropped} was dropped when the module was pickled (kernelize after loading)"
+        if path == "original" and self.no_original is not None:
+            return "error", self.no_original
+        return path, reason
+
+    def kernel_named(self, name: str) -> Kernel | None:
+        """The variant ``name`` (``default``: the kernel bound without a name), or None if not bound."""
+        if name == DEFAULT_VARIANT:
+            if self.kernel is None:
+                return None
+            return Kernel(self.kernel, self.kernel_class, self.repository, self.can_torch_compile, self.has_backward)
+        return self.variants.get(name)
+
+    def choose(
+        self, entry: str, state: ExecutionState, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> tuple[Path, str, Callable[..., Any] | None, str | None]:
+        """Under a variant entry: the first variant that can run this call (path, reason, its function, its name).
+
+        Else the original: (``"original"``, why each variant cannot, None, None).
+        """
+        refusals = []
+        for name in variant_names(entry):
+            kernel = self.kernel_named(name)
+            if kernel is None:
+                refusals.append(f"{name!r} not bound")
+                continue
+            path, reason = decide(
+                "prefer",
+                has_kernel=True,
+                can_torch_compile=kernel.can_torch_compile,
+                has_backward=kernel.has_backward,
+                state=state,
+                needs_backward=not kernel.has_backward and autograd_records(self.module, args, kwargs),
+            )
+            if path == "kernel" and name == DEFAULT_VARIANT and self.stopped is not None:
+                path, reason = "original", self.stopped  # the failures counted are the default kernel's
+            elif path == "kernel" and (args or kwargs):
+                layer_rule, own_rule = RULES.get(self.layer_name), VARIANT_RULES.get((self.layer_name, name))
+                refused = self._asked(layer_rule, args, kwargs or {}) or self._asked(own_rule, args, kwargs or {})
+                if refused is not None:
+                    path, reason = "original", refused
+            if path == "kernel":
+                where = f" ({kernel.repository})" if kernel.repository else ""
+                return "kernel", f"variant {name!r}{where}", kernel.function, name
+            refusals.append(f"{name!r}: {reason}")
+        return "original", f"no variant can run ({'; '.join(refusals)})", None, None
+
+    def refused(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+        """Why the kernel may not run this call (none bound: only variants, or :meth:`blocked`); else None."""
+        return NO_KERNEL if self.kernel is None else self.blocked(module, args, kwargs)
+
+    def blocked(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+        """Why the kernel may not run this call: stopped after failures, or refused by the layer's rule."""
+        if self.stopped is not None:
+            return self.stopped
+        return self._asked(RULES.get(self.layer_name), args, kwargs)
+
+    def _asked(self, rule: KernelRule | None, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+        """Why ``rule`` refuses this call, as a reason; None without a rule or if it accepts."""
+        if rule is None:
+            return None
+        try:
+            why = rule.reject(self.module, args, kwargs, self.parameters)
+        except Exception as error:
+            if hasattr(error, "add_note"):  # Python >= 3.11; the error itself passes unchanged otherwise
+                error.add_note(
+                    f"kernelpolicy: raised by the kernel_accepts check of kernel layer {self.layer_name!r} "
+                    f"({self.module_class} at {self.module_name!r}), asked before its kernel runs"
+                )
+            raise
+        return None if why is None else f"{INELIGIBLE}: {why}"
+
+    def failed(
+        self, error: Exception, args: tuple[Any, ...], kwargs: dict[str, Any], recorders: tuple[Any, ...] = ()
+    ) -> Any:
+        """The kernel raised ``error`` under ``prefer``: the original forward if the policy's ``fallback_on`` names it.
+
+        Counts the failure; at the policy's ``max_failures`` the module stops trying its kernel (its forward
+        is rebuilt to ask :meth:`refused` first) until :func:`kernelpolicy.reset_failures`. An error the
+        policy does not name propagates, recorded as the kernel's.
+        """
+        policy = DEFAULTS.active._current.policy
+        if not isinstance(error, exception_types(policy.fallback_on)):
+            self._record(recorders, "kernel", USABLE, error)
+            raise error
+        self.failures += 1
+        self.last_failure = f"{type(error).__name__}: {error}"
+        limit = policy.max_failures
+        if limit is not None and self.failures >= limit and self.stopped is None:
+            self.stopped = (
+                f"kernel stopped after {self.failures} failures (last: {self.last_failure}); "
+                "kernelpolicy.reset_failures(model) tries it again"
+            )
+            self.module.__dict__["forward"] = make_forward(self)
+            self._log_once("stopped", logging.WARNING, f"is off: {self.stopped}")
+        else:
+            self._log_once("failed", logging.WARNING, f"raised {self.last_failure}; the original forward ran instead")
+        return self._run(recorders, "original", f"{FAILED} ({self.last_failure})", self.original, args, kwargs)
+
+    def reset_failures(self) -> None:
+        """Forget the kernel's failures; a stopped kernel is tried again."""
+        stopped = self.stopped is not None
+        self.failures, self.last_failure, self.stopped = 0, None, None
+        if stopped:
+            self.module.__dict__["forward"] = make_forward(self)
+
+    def slow_path(
+        self, mode: str, args: tuple[Any, ...], kwargs: dict[str, Any], state: ExecutionState | None = None
+    ) -> Any:
+        """Every call the fast exits of the forward closure do not take."""
+        if mode == KERNEL_ON:
+            mode = self._compiled_mode(args, kwargs)
+        recording = mode.endswith(RECORD_SUFFIX)  # traced: a string test, no guard on UNRECORDED (see there)
+        if recording:
+            mode = mode[: -len(RECORD_SUFFIX)]
+        if state is None:
+            state = _state.execution_state()
+        if mode.startswith(VARIANTS):
+            return self._run_variant(mode, state, args, kwargs, recording)
+        path, reason = self.decide(mode, state, args, kwargs)
+        recorders = RECORDERS.get() if recording and not _is_dynamo() else ()
+        if path == "kernel" and state == "eager":
+            assert self.kernel is not None
+            if reason == VERIFIED and _state.in_transform():
+                reason = UNVERIFIED_IN_TRANSFORM
+                self._log_once("not verified in transform", logging.WARNING, f"is {reason}")
+            try:
+                out = self.verify(args, kwargs) if reason == VERIFIED else self.kernel(self.module, *args, **kwargs)
+            except NotImplementedError as error:
+                return self.unsupported(error, mode, args, kwargs, recorders, reason)
+            except Exception as error:
+                if mode == "prefer" and DEFAULTS.active._current.policy.fallback_on:
+                    return self.failed(error, args, kwargs, recorders)
+                self._record(recorders, path, reason, error)
+                raise
+            except BaseException as error:
+                self._record(recorders, path, reason, error)
+                raise
+            self._record(recorders, path, reason)
+            return out
+        if path == "error":
+            self._record(recorders, path, reason)
+        elif path == "kernel":
+            return self._run(recorders, path, reason, self.kernel, args, kwargs)  # type: ignore[arg-type]
+        else:
+            if self.kernel is not None and reason != DISABLED and not _is_dynamo():
+                self._log_fallback(reason)
+            return self._run(recorders, path, reason, self.original, args, kwargs)
+        if _is_dynamo():
+            # Constructing or raising an exception in traced code is unsupported;
+            # break the graph here so that fullgraph=True fails with this message,
+            # and raise from code Dynamo never traces (torch 2.9 traces the code
+            # after the break and fails on the raise with an internal error).
+            torch._dynamo.graph_break(
+                msg=unavailable_message(self.module_name, self.layer_name, self.module_class, reason) + COMPILED_FIX
+            )
+            _raise_unavailable(self, reason)
+        raise self.error(reason)
+
+    def _compiled_mode(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+        """The mode of a ``ruled`` forward's call under TorchDynamo with the kernel on, from what the program reads.
+
+        The variant entry if the layer has variants (its own table: recording is not in it), else ``prefer``
+        when the kernel runs, and ``require`` or ``prefer`` as ``active.required`` says only when it is
+        refused: so ``prefer``, ``require`` and ``verify`` share the program where the kernel runs.
+        """
+        active = DEFAULTS.active._current
+        entry: str = getattr(active.variants, self.layer_name) if self.variants else ""
+        if entry:
+            return entry
+        if self.decide("prefer", "compile", args, kwargs)[0] == "kernel":
+            return "prefer"
+        return "require" if getattr(active.required, self.layer_name) else "prefer"
+
+    def _run_variant(
+        self, entry: str, state: ExecutionState, args: tuple[Any, ...], kwargs: dict[str, Any], recording: bool
+    ) -> Any:
+        """A call under a variant entry: the first variant that can run it, else the original (logged once).
+
+        With the policy's ``reference`` option, in eager code outside ``torch.func`` transforms, the variant's
+        output is compared with the reference's as ``verify`` compares (:meth:`verify`).
+        """
+        path, reason, function, name = self.choose(entry, state, args, kwargs)
+        recorders = RECORDERS.get() if recording and not _is_dynamo() else ()
+        if function is not None:
+            policy = DEFAULTS.active._current.policy
+            if policy.options.reference is not None and state == "eager" and not _state.in_transform():
+                compared = lambda module, *a, **k: self.verify(a, k, function, f"variant {name!r}")  # noqa: E731
+                return self._run(
+                    recorders, path, f"{reason}; verified against {policy.options.reference}", compared, args, kwargs
+                )
+            if not policy.fallback_on or state != "eager" or _is_dynamo():
+                return self._run(recorders, path, reason, function, args, kwargs)
+            try:
+                out = function(self.module, *args, **kwargs)
+            except Exception as error:
+                if not isinstance(error, exception_types(policy.fallback_on)):
+                    self._record(recorders, path, reason, error)
+                    raise
+                return self._variant_failed(entry, name, error, state, args, kwargs, recording, recorders)
+            self._record(recorders, path, reason)
+            return out
+        if not _is_dynamo():
+            self._log_fallback(reason)
+        return self._run(recorders, path, reason, self.original, args, kwargs)
+
+    def _variant_failed(
+        self,
+        entry: str,
+        name: str | None,
+        error: Exception,
+        state: ExecutionState,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        recording: bool,
+        recorders: tuple[Any, ...],
+    ) -> Any:
+        """Variant ``name`` raised an error ``fallback_on`` names: the next candidate of ``entry``, else the original."""
+        self.failures += 1
+        self.last_failure = f"variant {name!r}: {type(error).__name__}: {error}"
+        names = variant_names(entry)
+        rest = names[names.index(name) + 1 :] if name in names else ()
+        following = f"the next of {'|'.join(rest)}" if rest else "the original forward"
+        self._log_once(
+            f"variant {name} failed", logging.WARNING, f"raised {self.last_failure}; {following} ran instead"
+        )
+        if rest:
+            return self._run_variant(VARIANTS + "|".join(rest), state, args, kwargs, recording)
+        return self._run(recorders, "original", f"{FAILED} ({self.last_failure})", self.original, args, kwargs)
+
+    def unsupported(
+        self,
+        error: NotImplementedError,
+        mode: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        recorders: tuple[Any, ...] = (),
+        reason: str = USABLE,
+    ) -> Any:
+        """The kernel raised ``error`` before running: the original under ``prefer``, an error under ``require``.
+
+        Only for what is known to fail before the kernel computes anything: a
+        custom-op kernel given DTensor inputs or parameters for which its op has
+        no sharding strategy (tensor or sequence parallelism). A kernel layer
+        declared with :func:`kernelpolicy.distributed.run_on_local_shards` runs
+        on the local shards instead, under every mode that asked for the kernel
+        (``verify`` does not compare those calls: logged once). Anything else is
+        the kernel's own error and propagates unchanged. ``mode`` is a plain
+        mode (the fast exits and :meth:`slow_path` strip recording); ``recorders``
+        count the path taken (``reason``: why the kernel was called, for a call whose error propagates).
+        """
+        if not _no_sharding_strategy(error, (args, kwargs, self.module)):
+            if mode == "prefer" and DEFAULTS.active._current.policy.fallback_on:
+                return self.failed(error, args, kwargs, recorders)
+            self._record(recorders, "kernel", reason, error)
+            raise error
+        self.dtensor_failure = str(error)
+        on_local_shards = LOCAL_SHARDS.get(self.layer_name)
+        if on_local_shards is not None:
+            assert self.kernel is not None
+            self._record(recorders, "kernel", ON_LOCAL_SHARDS)
+            if mode == "verify":
+                self._log_once("not verified", logging.WARNING, "verify does not compare kernels run on local shards")
+            return on_local_shards(self.kernel, self.module, args, kwargs)
+        reason = f"{NO_SHARDING}: {error}"
+        if mode == "require":
+            self._record(recorders, "error", NO_SHARDING)
+            raise self.error(reason) from error
+        self._log_fallback(reason)
+        return self._run(recorders, "original", NO_SHARDING, self.original, args, kwargs)
+
+    def _run(
+        self,
+        recorders: tuple[Any, ...],
+        path: Path,
+        reason: str,
+        forward: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        """Call ``forward`` and record the call (with the exception's class when it raises)."""
+        if not recorders:
+            return forward(self.module, *args, **kwargs)
+        try:
+            out = forward(self.module, *args, **kwargs)
+        except BaseException as error:
+            self._record(recorders, path, reason, error)
+            raise
+        self._record(recorders, path, reason)
+        return out
+
+    def _record(self, recorders: tuple[Any, ...], path: Path, reason: str, error: BaseException | None = None) -> None:
+        raised = "" if error is None else type(error).__name__
+        for recorder in recorders:
+            recorder.add(self.module_name, self.layer_name, path, reason, raised)
+
+    def verify(
+        self,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        tested: Callable[..., Any] | None = None,
+        tested_name: str = "kernel",
+    ) -> Any:
+        """Run the reference (on cloned inputs) and the tested kernel; compare; return the tested kernel's output.
+
+        The tested kernel is the module's kernel unless given (a variant); the reference is the original
+        forward, or the variant the policy's ``reference`` option names (the original, logged once, where
+        this module has no such variant).
+        """
+        from ._verify import BufferState, clone_tensors, compare
+
+        policy = DEFAULTS.active._current.policy
+        kernel = self.kernel if tested is None else tested
+        assert kernel is not None
+        reference, reference_name = self.original, "the original forward"
+        named = policy.options.reference
+        if named is not None and named != ORIGINAL:
+            found = self.kernel_named(named)
+            if found is not None:
+                reference, reference_name = found.function, f"variant {named!r}"
+            else:
+                self._log_once(f"no {named}", logging.WARNING, f"has no variant {named!r}: compared with its original")
+        devices = sorted({t.device.index or 0 for t in tensors_in((args, kwargs)) if t.is_cuda})
+        buffers = BufferState(self.module)
+        try:
+            with torch.no_grad(), torch.random.fork_rng(devices=devices):
+                expected = reference(self.module, *clone_tensors(args), **clone_tensors(kwargs))
+            expected_buffers = clone_tensors(buffers.current()) if buffers else {}
+        finally:
+            buffers.restore()
+        out = kernel(self.module, *args, **kwargs)
+        mismatch = compare(out, expected, rtol=policy.rtol, atol=policy.atol)
+        if mismatch is None and buffers:
+            mismatch = compare(buffers.current(), expected_buffers, rtol=policy.rtol, atol=policy.atol, where="buffers")
+        if mismatch is not None:
+            error = KernelMismatchError(
+                module_name=self.module_name,
+                layer_name=self.layer_name,
+                module_class=self.module_class,
+                where=mismatch.where,
+                detail=mismatch.detail,
+                max_abs=mismatch.max_abs,
+                max_rel=mismatch.max_rel,
+                index=mismatch.index,
+                tested=tested_name,
+                reference=reference_name,
+            )
+            if policy.on_mismatch == "raise":
+                raise error
+            if (self.layer_name, "mismatch") not in _logged:
+                _logged.add((self.layer_name, "mismatch"))
+                logger.warning("%s (logged once per layer)", error)
+        return out
+
+    def error(self, reason: str) -> KernelUnavailableError:
+        cls = OriginalUnavailableError if reason == self.no_original else KernelUnavailableError
+        return cls(
+            module_name=self.module_name, layer_name=self.layer_name, module_class=self.module_class, reason=reason
+        )
+
+    def _log_fallback(self, reason: str) -> None:
+        """Log once per reason that the original ran instead of the bound kernel.
+
+        A warning where the bound kernel cannot run in a whole situation (a tracer, autograd, DTensor, a
+        stopped kernel); INFO where a ``kernel_accepts`` rule declined one call, as it was declared to.
+        """
+        level = logging.INFO if reason.startswith(INELIGIBLE) or reason == NO_KERNEL else logging.WARNING
+        self._log_once(reason, level, f"falls back to its original forward: {reason}")
+
+    def _log_once(self, key: str, level: int, what: str) -> None:
+        if (self.layer_name, key) not in _logged:
+            _logged.add((self.layer_name, key))
+            logger.log(
+                level, "kernel layer %r (%s at %r) %s", self.layer_name, self.module_class, self.module_name, what
+            )
 
 
-_PENDING = "_kernelpolicy_pending"
+#: What a failing ``require`` under TorchDynamo adds to its message: Dynamo prints it after its own
+#: "Call to torch._dynamo.graph_break()" line and before its hint to remove the call, which does not apply.
+COMPILED_FIX: Final = (
+    ". This graph break is kernelpolicy's `require` failing (not a call to remove): run this layer under "
+    "'prefer' to take its original forward when compiled, or bind a kernel that can be traced; with "
+    "fullgraph=False the KernelUnavailableError is raised at run time instead"
+)
+NO_SHARDING: Final = "kernel cannot run on DTensor inputs (its op has no sharding strategy)"
+ON_LOCAL_SHARDS: Final = "kernel run on local shards (declared with kernelpolicy.distributed.run_on_local_shards)"
+#: Kernel layer name -> how its kernel runs on local shards when its op has no DTensor sharding strategy:
+#: ``run(kernel, module, args, kwargs)``. Registered by :func:`kernelpolicy.distributed.run_on_local_shards`.
+LOCAL_SHARDS: dict[str, Callable[[Callable[..., Any], nn.Module, tuple[Any, ...], dict[str, Any]], Any]] = {}
 
 
-def _as_kernels_bound(module: nn.Module) -> nn.Module:
-    """A plain instance of ``module``'s original class with its own state and its kernel bound as kernels binds it."""
-    cls = _original_class(module)
-    view = cls.__new__(cls)
-    view.__dict__.update(_own_state(module))
-    binding = binding_of(module)
-    if binding is not None and binding.kernel is not None:
-        view.__dict__["forward"] = types.MethodType(binding.kernel, view)
-    return view
+def _no_sharding_strategy(error: NotImplementedError, where: tuple[Any, ...]) -> bool:
+    """Whether ``error`` is DTensor's "no sharding strategy" for a call that has DTensor arguments or parameters."""
+    if "does not have a sharding strategy registered" not in str(error):
+        return False
+    args, kwargs, module = where
+    return has_dtensor(module) or any(_is_dtensor(t) for t in tensors_in((args, kwargs)))
 
 
-def _make_copy_aware(new: nn.Module, source: nn.Module) -> None:
-    """Make ``new``, a copy of ``source`` made by its class's own code, policy-aware with ``source``'s variants."""
-    if not getattr(type(new), "_kernelpolicy_aware", False):
-        new.__class__ = _aware_class(type(new))
-    _make_aware(new, _module_name(source))
-    _copy_variants(source, new)
+def has_dtensor(module: nn.Module) -> bool:
+    """Whether ``module`` has DTensor parameters or buffers of its own."""
+    return any(_is_dtensor(t) for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)])
 
 
-def _restore_reduced(
-    rebuild: Callable[..., nn.Module], arguments: tuple[Any, ...], module_name: str | None
-) -> nn.Module:
-    """Unpickling a module pickled by its class's own ``__reduce__``: rebuild it, policy-aware once its state is set."""
-    module = rebuild(*arguments)
-    if not getattr(type(module), "_kernelpolicy_aware", False):
-        module.__class__ = _aware_class(type(module))
-    module.__dict__[_PENDING] = (module_name,)
-    return module
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    tensor_module = sys.modules.get("torch.distributed.tensor")  # no DTensor exists unless it is imported
+    dtensor = getattr(tensor_module, "DTensor", None)
+    return dtensor is not None and isinstance(tensor, dtensor)
 
 
-def _copied(module: nn.Module, state: dict[str, Any], memo: dict[int, Any] | None = None) -> nn.Module:
-    """A copy of ``module`` with ``state`` (deep-copied with ``memo`` if given), its kernel and its variants."""
-    binding = binding_of(module)
-    cls = _original_class(module)
-    new = cls.__new__(cls)
-    if memo is not None:
-        memo[id(module)] = new
-        state = copy.deepcopy(state, memo)
-    new.__dict__.update(state)
-    _rebind(new, binding.kernel if binding is not None else None, _module_name(module))
-    _copy_variants(module, new)
-    return new
+def _raise_unavailable(binding: Binding, reason: str) -> None:
+    raise binding.error(reason)
 
 
-def _copy_variants(source: nn.Module, new: nn.Module) -> None:
-    binding, copied = binding_of(source), binding_of(new)
-    if binding is not None and binding.variants and copied is not None:
-        copied.variants = dict(binding.variants)
-        new.__dict__["forward"] = make_forward(copied)
+# The mark ``torch.compiler.disable`` puts on a function: TorchDynamo calls it eagerly
+# instead of tracing it. Set directly, since ``torch.compiler.disable`` imports TorchDynamo
+# (over a second) at import time. See ``_compat.DYNAMO_DISABLE_MARK``.
+setattr(_raise_unavailable, DYNAMO_DISABLE_MARK, True)
 
 
-def _original_class(module: nn.Module) -> type[nn.Module]:
-    return cast("type[nn.Module]", getattr(type(module), "_kernelpolicy_original", type(module)))
-
-
-def _own_state(module: nn.Module) -> dict[str, Any]:
-    return {key: value for key, value in module.__dict__.items() if key not in _OURS}
-
-
-def _module_name(module: nn.Module) -> str | None:
-    binding = binding_of(module)
-    return binding.module_name if binding is not None else None
-
-
-def _rebind(module: nn.Module, kernel: Callable[..., Any] | None, module_name: str | None) -> None:
-    """Make a copied or unpickled ``module`` policy-aware again, with ``kernel`` bound as kernels binds it."""
-    if kernel is not None:
-        module.__dict__["forward"] = types.MethodType(kernel, module)
-    _make_aware(module, module_name)
-
-
-def _restore(
-    cls: type[nn.Module],
-    state: dict[str, Any],
-    kernel: Callable[..., Any] | None,
-    module_name: str | None,
-    dropped: str | None = None,
-) -> nn.Module:
-    module = cls.__new__(cls)
-    module.__setstate__(state)  # type: ignore[no-untyped-call]
-    _rebind(module, kernel, module_name)
-    binding = binding_of(module)
-    if binding is not None and binding.kernel is None:
-        binding.dropped = dropped
-    return module
+def _class_name(module: nn.Module) -> str:
+    cls = getattr(type(module), "_kernelpolicy_original", type(module))
+    return f"{cls.__module__}.{cls.__qualname__}"

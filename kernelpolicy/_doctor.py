@@ -30,7 +30,8 @@ import torch
 from torch import nn
 
 from . import _state
-from ._binding import _CHECKED_CALL_NAMES, FAST_CALL, attach, torch_call_names
+from ._attach import attach
+from ._aware import _CHECKED_CALL_NAMES, FAST_CALL, torch_call_names
 from ._compat import SUPPORTED, probe
 from ._scope import kernel_policy, kernels_disabled
 

@@ -22,8 +22,10 @@ import torch
 from torch.compiler import is_dynamo_compiling as _is_dynamo
 
 from ._active import DEFAULTS, UNRECORDED, current_policy
-from ._binding import BINDING, binding_of, bound_forward, kernel_modules
-from ._dispatch import LOCAL_SHARDS, NO_SHARDING, USABLE, Binding, has_dtensor
+from ._attach import kernel_modules
+from ._aware import BINDING, binding_of, bound_forward
+from ._binding import LOCAL_SHARDS, NO_SHARDING, Binding, has_dtensor
+from ._dispatch import USABLE
 from ._errors import KernelUnavailableError
 from ._rules import RULES
 from ._scope import _recording_scope

@@ -65,7 +65,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from ._active import Active
-    from ._dispatch import Binding
+    from ._binding import Binding
 
 __all__ = ["GO_ON", "REPLAYING", "Replays"]
 

@@ -54,14 +54,15 @@ from torch.compiler import is_dynamo_compiling as _is_dynamo
 
 from . import _compat
 from ._active import DEFAULTS, RECORD_SUFFIX, UNRECORDED
-from ._binding import ATTACH_HOOKS, NO_ORIGINAL, ORIGINALS, _make_class_aware, binding_of
+from ._attach import ATTACH_HOOKS
+from ._aware import NO_ORIGINAL, ORIGINALS, _make_class_aware, binding_of
 from ._errors import PolicyError
 from ._explain import ROW_SOURCES, UNGOVERNED_SOURCES, Ungoverned
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
 
-    from ._dispatch import Binding
+    from ._binding import Binding
 
 __all__ = [
     "ATTENTION",

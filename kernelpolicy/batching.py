@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import _compat
 from ._active import RECORDERS, current_policy
-from ._binding import ATTACH_HOOKS
+from ._attach import ATTACH_HOOKS
 from ._errors import KernelMismatchError, KernelUnavailableError, PolicyError
 from ._scope import _recording_scope, kernel_policy
 

@@ -133,7 +133,7 @@ def run_engine(load: Any, *args: Any) -> None:
 
 def _policy_aware_load(load: Any) -> Any:
     def loaded(*args: Any, **kwargs: Any) -> Any:
-        from . import _binding as kernelpolicy  # attach, kernelize
+        from . import _attach as kernelpolicy  # attach, kernelize
         from . import _transformers, training  # noqa: F401 - their attach hooks (hub attention, checkpointing)
         from ._autoattach import auto_attach
 

@@ -280,7 +280,8 @@ def kernelize_locally(model: M, repos: Mapping[str, Path | str], *, mode: str = 
 
 def kernel_calls(model: nn.Module) -> int:
     """Eager calls counted so far by the kernels bound under ``model`` (each kernel repo once)."""
-    from ._binding import binding_of, kernel_modules
+    from ._attach import kernel_modules
+    from ._aware import binding_of
 
     counters = {}
     for _, module in kernel_modules(model):

@@ -60,7 +60,7 @@ from torch.compiler import is_dynamo_compiling as _is_dynamo
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from ._active import DEFAULTS, RECOMPUTED_WITH_GRAD, ensure_env
-from ._binding import ATTACH_HOOKS
+from ._attach import ATTACH_HOOKS
 from ._errors import RecomputationError
 from ._replay import REPLAYING
 from ._scope import kernel_policy

@@ -20,7 +20,7 @@ import torch
 
 import kernelpolicy as kp
 from kernelpolicy import _active, _autoattach
-from kernelpolicy._binding import binding_of
+from kernelpolicy._aware import binding_of
 from kernelpolicy.testing import DemoModel, RMSNorm, kernel_calls, tiny_llama
 
 X = torch.ones(2, 16)

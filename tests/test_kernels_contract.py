@@ -36,7 +36,8 @@ import torch
 from torch import nn
 
 import kernelpolicy
-from kernelpolicy._binding import binding_of, kernel_modules
+from kernelpolicy._attach import kernel_modules
+from kernelpolicy._aware import binding_of
 from kernelpolicy.testing import local_mapping, rms_norm_kernel_source, write_kernel_repo
 
 Mode = kernels.Mode

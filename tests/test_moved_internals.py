@@ -20,7 +20,7 @@ import torch
 
 import kernelpolicy as kp
 from kernelpolicy import _active, _autoattach, _compat, _watch
-from kernelpolicy._binding import binding_of
+from kernelpolicy._aware import binding_of
 from kernelpolicy._compat import Internal
 from kernelpolicy.testing import DemoModel
 

@@ -293,7 +293,7 @@ def test_records_live_as_long_as_the_graph(training_model: DemoModel) -> None:
 
 
 def _binding_of(module: nn.Module) -> Any:
-    from kernelpolicy._binding import binding_of
+    from kernelpolicy._aware import binding_of
 
     found = binding_of(module)
     assert found is not None
