@@ -23,20 +23,17 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from ._active import current_policy, known_layers
+from ._active import current_policy
 from ._autoattach import auto_attach
-from ._errors import (
-    KernelMismatchError,
-    KernelUnavailableError,
-    OriginalUnavailableError,
-    PolicyError,
-    ScopeError,
-)
-from ._policy import Policy, PolicyMode
+from ._errors import KernelMismatchError, KernelUnavailableError, PolicyError
+from ._policy import Policy
 from ._scope import kernel_policy, kernels_disabled, propagate, set_default_policy
 
 if TYPE_CHECKING:
-    from ._accounting import CallCounts, record_calls
+    from . import errors as errors
+    from . import introspect as introspect
+    from . import types as types
+    from ._accounting import record_calls
     from ._attach import (
         attach,
         kernel_accepts,
@@ -45,9 +42,8 @@ if TYPE_CHECKING:
         reset_failures,
         use_kernel_forward_from_hub,
     )
-    from ._explain import Explanation, LayerRow, explain, will_use_kernel
-    from ._state import ExecutionState, execution_state
-    from ._warmup import WarmupReport, warmup
+    from ._explain import explain, will_use_kernel
+    from ._warmup import warmup
 
 __version__ = "0.1.0"
 
@@ -62,16 +58,25 @@ _LAZY = {
     "replace_kernel_forward_from_hub": "._attach",
     "reset_failures": "._attach",
     "use_kernel_forward_from_hub": "._attach",
-    "ExecutionState": "._state",
-    "execution_state": "._state",
-    "CallCounts": "._accounting",
     "record_calls": "._accounting",
-    "Explanation": "._explain",
-    "LayerRow": "._explain",
     "explain": "._explain",
     "will_use_kernel": "._explain",
-    "WarmupReport": "._warmup",
     "warmup": "._warmup",
+}
+#: The public submodules reached as attributes (``kernelpolicy.errors.ScopeError``), imported on first use.
+_SUBMODULES = frozenset({"errors", "introspect", "types"})
+#: Names that were top-level before 0.1.0 and moved (CHANGELOG): still found here, with a DeprecationWarning.
+_MOVED = {
+    "CallCounts": "types",
+    "Explanation": "types",
+    "LayerRow": "types",
+    "WarmupReport": "types",
+    "ExecutionState": "types",
+    "PolicyMode": "types",
+    "execution_state": "introspect",
+    "known_layers": "introspect",
+    "ScopeError": "errors",
+    "OriginalUnavailableError": "errors",
 }
 
 
@@ -82,6 +87,16 @@ _FEATURES = ("._transformers", ".training", ".batching")
 
 
 def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(f".{name}", __name__)
+    if name in _MOVED:
+        from ._errors import warn_at_caller
+
+        where = f"kernelpolicy.{_MOVED[name]}"
+        warn_at_caller(
+            f"kernelpolicy.{name} moved to {where}.{name}; the top-level name goes in 0.2", DeprecationWarning
+        )
+        return getattr(importlib.import_module(where), name)
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'kernelpolicy' has no attribute {name!r}")
@@ -93,32 +108,22 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), *_LAZY])
+    return sorted([*globals(), *_LAZY, *_SUBMODULES])
 
 
 __all__ = [
-    "CallCounts",
-    "ExecutionState",
-    "Explanation",
     "KernelMismatchError",
     "KernelUnavailableError",
-    "LayerRow",
-    "OriginalUnavailableError",
     "Policy",
     "PolicyError",
-    "PolicyMode",
-    "ScopeError",
-    "WarmupReport",
     "attach",
     "auto_attach",
     "current_policy",
-    "execution_state",
     "explain",
     "kernel_accepts",
     "kernel_policy",
     "kernelize",
     "kernels_disabled",
-    "known_layers",
     "propagate",
     "record_calls",
     "replace_kernel_forward_from_hub",

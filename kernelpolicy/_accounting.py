@@ -38,8 +38,6 @@ class CallCounts:
     ``raised`` is the class name of the exception the call raised, or ``""``.
     """
 
-    __module__ = "kernelpolicy"  # the public name (see kernelpolicy/__init__.py)
-
     __slots__ = ("_counts", "_lock")
 
     def __init__(self) -> None:
@@ -114,3 +112,8 @@ def record_calls() -> Iterator[CallCounts]:
     counts = CallCounts()
     with _recording_scope(None, recording=True, recorders=(*RECORDERS.get(), counts)):
         yield counts
+
+
+# The public name (kernelpolicy.types), set after the class is built: a dataclass resolves its annotations
+# in the module its __module__ names, which is imported only on demand.
+CallCounts.__module__ = "kernelpolicy.types"

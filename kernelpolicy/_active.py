@@ -219,7 +219,7 @@ def known_layers() -> frozenset[str]:
     ...     def forward(self, x):
     ...         return 3 * x
     >>> _ = Triple()
-    >>> "Triple" in kernelpolicy.known_layers()
+    >>> "Triple" in kernelpolicy.introspect.known_layers()
     True
     """
     return frozenset(_KNOWN_LAYERS)

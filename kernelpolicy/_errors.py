@@ -70,7 +70,7 @@ class PolicyError(ValueError):
 class ScopeError(RuntimeError):
     """A policy scope was exited out of order or in another context."""
 
-    __module__ = "kernelpolicy"
+    __module__ = "kernelpolicy.errors"
 
 
 class PolicyMismatchError(RuntimeError):
@@ -119,7 +119,7 @@ class OriginalUnavailableError(KernelUnavailableError):
     Attributes as :class:`KernelUnavailableError`.
     """
 
-    __module__ = "kernelpolicy"
+    __module__ = "kernelpolicy.errors"
 
     def __init__(self, *, module_name: str | None, layer_name: str, module_class: str, reason: str) -> None:
         super().__init__(module_name=module_name, layer_name=layer_name, module_class=module_class, reason=reason)

@@ -108,8 +108,6 @@ def will_use_kernel(module: nn.Module, *args: Any, **kwargs: Any) -> bool:
 class LayerRow:
     """One kernel-capable module and the path its next call would take."""
 
-    __module__ = "kernelpolicy"  # the public name (see kernelpolicy/__init__.py)
-
     name: str
     layer_name: str
     module_class: str
@@ -126,8 +124,6 @@ class LayerRow:
 @dataclasses.dataclass(frozen=True)
 class Explanation:
     """The rows of :func:`explain`; ``str()`` renders an aligned table."""
-
-    __module__ = "kernelpolicy"  # the public name (see kernelpolicy/__init__.py)
 
     rows: tuple[LayerRow, ...]
     policy: str
@@ -346,3 +342,9 @@ def _on_dtensor(binding: Binding, mode: str, path: Path, reason: str) -> tuple[P
     if parameters:
         return ("error" if mode == "require" else "original"), f"{NO_SHARDING}: {binding.dtensor_failure}"
     return path, f"{reason} on plain tensors; on DTensor inputs: {NO_SHARDING}"
+
+
+# The public name (kernelpolicy.types), set after the class is built: a dataclass resolves its annotations
+# in the module its __module__ names, which is imported only on demand.
+LayerRow.__module__ = "kernelpolicy.types"
+Explanation.__module__ = "kernelpolicy.types"

@@ -19,7 +19,7 @@ Guarantees:
   itself.
 - Exceptions pass through unchanged and the previous policy is restored
   exactly, also on ``GeneratorExit`` and task cancellation. Exiting scopes out
-  of order raises :class:`~kernelpolicy.ScopeError` instead of silently
+  of order raises :class:`~kernelpolicy.errors.ScopeError` instead of silently
   restoring the wrong policy.
 - As a decorator: on a sync function or ``async def`` coroutine the policy
   holds while the body runs; on a generator or async generator function the

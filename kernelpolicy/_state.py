@@ -93,7 +93,7 @@ _get_tracing_state = torch._C._get_tracing_state  # see _compat.JIT_TRACING_STAT
 def execution_state() -> ExecutionState:
     """The execution state of the current call.
 
-    >>> from kernelpolicy import execution_state
+    >>> from kernelpolicy.introspect import execution_state
     >>> execution_state()
     'eager'
     """

@@ -265,7 +265,7 @@ def lazily_loaded() -> tuple[str, ...]:
     )
 
 
-#: The reason of :class:`~kernelpolicy.OriginalUnavailableError` for a fused layout.
+#: The reason of :class:`~kernelpolicy.errors.OriginalUnavailableError` for a fused layout.
 FUSED: Final = (
     "a layout of transformers' kernel fusion holds weights and no forward of its own (the fused children are "
     "nn.Identity): keep its kernel (prefer or require), or load the model without that KernelConfig entry"

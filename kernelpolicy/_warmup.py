@@ -27,8 +27,6 @@ _LIMIT_ERRORS = ("FailOnRecompileLimitHit", "RecompileLimitExceeded")
 class WarmupReport:
     """Graphs compiled by each policy's warm-up call, in call order (0: it reused a graph)."""
 
-    __module__ = "kernelpolicy"  # the public name (see kernelpolicy/__init__.py)
-
     compiles: tuple[tuple[Policy, int], ...]
 
     @property
@@ -84,3 +82,8 @@ def warmup(
             ) from exc
         done.append((policy, _unique_graphs() - before))
     return WarmupReport(compiles=tuple(done))
+
+
+# The public name (kernelpolicy.types), set after the class is built: a dataclass resolves its annotations
+# in the module its __module__ names, which is imported only on demand.
+WarmupReport.__module__ = "kernelpolicy.types"

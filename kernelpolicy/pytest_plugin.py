@@ -31,7 +31,7 @@ Markers are read at setup, not at collection. A test with no marker and no
 run-wide option gets no scope at all. Module- and session-scoped fixtures set
 up (or torn down) during a test's setup (or teardown) see that test's policy;
 one that holds a scope of its own across tests would be exited out of order
-and is reported as a :class:`~kernelpolicy.ScopeError` at teardown.
+and is reported as a :class:`~kernelpolicy.errors.ScopeError` at teardown.
 Bad marker arguments make that test error at setup with the
 :class:`~kernelpolicy.PolicyError` message; a bad ``--kernel-policy`` or ini
 value is a usage error (exit code 4).
@@ -50,12 +50,14 @@ from typing import TYPE_CHECKING, cast
 import pytest
 
 import kernelpolicy as _kernelpolicy
-from kernelpolicy import Policy, PolicyError, PolicyMode, current_policy, kernel_policy
+from kernelpolicy import Policy, PolicyError, current_policy, kernel_policy
 from kernelpolicy._scope import check_variants
 
 if TYPE_CHECKING:
     from collections.abc import Generator, Mapping
     from types import ModuleType
+
+    from kernelpolicy._policy import PolicyMode
 
 __all__ = ["MARKER", "OPTION"]
 

@@ -132,7 +132,7 @@ def test_fx_tracing_in_one_thread_is_eager_in_another() -> None:
     tracer = threading.Thread(target=torch.fx.symbolic_trace, args=(Blocking(),))
     tracer.start()
     assert started.wait(30)
-    seen.append(kp.execution_state())
+    seen.append(kp.introspect.execution_state())
     release.set()
     tracer.join(30)
     assert seen == ["eager"]

@@ -348,7 +348,7 @@ def test_subprocess_import_does_not_import_kernels_or_hub_and_torch_only_when_ne
         "with kernelpolicy.kernels_disabled():\n"
         "    pass\n"
         "print('SCOPES:' + loaded())\n"
-        "kernelpolicy.use_kernel_forward_from_hub, kernelpolicy.execution_state()\n"
+        "kernelpolicy.use_kernel_forward_from_hub, kernelpolicy.introspect.execution_state()\n"
         "print('LAYERS:' + loaded())\n"
     )
     result = subprocess.run(

@@ -43,10 +43,10 @@ def test_explain_marks_modules_that_are_not_policy_aware(mapping: Callable[[str]
 
 def test_known_layers_and_unmatched_policy_entries(kernelized: Callable[..., DemoModel]) -> None:
     model = kernelized("exact")
-    assert "RMSNorm" in kp.known_layers()
+    assert "RMSNorm" in kp.introspect.known_layers()
     with kp.kernel_policy(RMSnorm="disable", RMSNorm="require"):  # a typo beside the real name
         explanation = kp.explain(model)
     assert explanation.unmatched == ("RMSnorm=disable",)
-    assert "RMSnorm" not in kp.known_layers()
+    assert "RMSnorm" not in kp.introspect.known_layers()
     assert str(explanation).splitlines()[-1] == "policy entries naming no kernel layer of this model: RMSnorm=disable"
     assert kp.explain(model).unmatched == ()

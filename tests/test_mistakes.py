@@ -19,7 +19,7 @@ class MistakeNorm(torch.nn.Module):
         return x
 
 
-MistakeNorm()  # known from here on: the did-you-mean hints compare against kernelpolicy.known_layers()
+MistakeNorm()  # known from here on: the did-you-mean hints compare against kernelpolicy.introspect.known_layers()
 
 
 def test_mode_by_keyword_is_the_mode_of_every_layer() -> None:

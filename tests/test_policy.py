@@ -31,8 +31,8 @@ def test_modes_constant() -> None:
 
 def test_policy_error_and_scope_error_hierarchy() -> None:
     assert issubclass(kp.PolicyError, ValueError)
-    assert issubclass(kp.ScopeError, RuntimeError)
-    assert not issubclass(kp.PolicyError, kp.ScopeError)
+    assert issubclass(kp.errors.ScopeError, RuntimeError)
+    assert not issubclass(kp.PolicyError, kp.errors.ScopeError)
 
 
 def test_default_argument_is_prefer() -> None:

@@ -33,7 +33,7 @@ def test_errors_pickle_with_their_attributes() -> None:
         max_rel=0.25,
         index=(0, 1),
     )
-    original = kp.OriginalUnavailableError(
+    original = kp.errors.OriginalUnavailableError(
         module_name="mlp.up", layer_name="FusedUp", module_class="m.L", reason="fused"
     )
     for error in (unavailable, mismatch, original):

@@ -263,7 +263,7 @@ def test_exiting_twice_raises_scope_error() -> None:
     scope = kernel_policy("disable")
     scope.__enter__()
     scope.__exit__(None, None, None)
-    with pytest.raises(kp.ScopeError):
+    with pytest.raises(kp.errors.ScopeError):
         scope.__exit__(None, None, None)
     assert current_policy() == Policy("prefer")
 
@@ -273,14 +273,14 @@ def test_exiting_twice_inside_an_outer_scope_raises_and_keeps_outer() -> None:
         scope = kernel_policy(SiLU="disable")
         scope.__enter__()
         scope.__exit__(None, None, None)
-        with pytest.raises(kp.ScopeError):
+        with pytest.raises(kp.errors.ScopeError):
             scope.__exit__(None, None, None)
         assert current_policy() == outer
     assert current_policy() == Policy("prefer")
 
 
 def test_exiting_never_entered_scope_raises() -> None:
-    with pytest.raises(kp.ScopeError):
+    with pytest.raises(kp.errors.ScopeError):
         kernel_policy("disable").__exit__(None, None, None)
 
 
@@ -291,7 +291,7 @@ def test_exiting_out_of_order_raises_and_changes_nothing() -> None:
     policy_b = b.__enter__()
     assert policy_b == Policy("disable", SiLU="require")
     try:
-        with pytest.raises(kp.ScopeError):
+        with pytest.raises(kp.errors.ScopeError):
             a.__exit__(None, None, None)
         # The failed exit must not have changed the policy in effect.
         assert current_policy() == policy_b
@@ -311,7 +311,7 @@ def test_exiting_in_another_thread_raises() -> None:
     def other_thread() -> None:
         try:
             scope.__exit__(None, None, None)
-        except kp.ScopeError as exc:
+        except kp.errors.ScopeError as exc:
             errors.append(exc)
         seen.append(current_policy())
 
@@ -320,7 +320,7 @@ def test_exiting_in_another_thread_raises() -> None:
         thread.start()
         thread.join(timeout=10)
         assert len(errors) == 1
-        assert isinstance(errors[0], kp.ScopeError)
+        assert isinstance(errors[0], kp.errors.ScopeError)
         assert seen == [Policy("prefer")]
         assert current_policy() is entered
     finally:
@@ -333,7 +333,7 @@ def test_exiting_in_a_copied_context_raises_scope_error() -> None:
     scope.__enter__()
     ctx = contextvars.copy_context()
     try:
-        with pytest.raises(kp.ScopeError):
+        with pytest.raises(kp.errors.ScopeError):
             ctx.run(scope.__exit__, None, None, None)
         assert current_policy() == Policy("disable")
     finally:
@@ -350,7 +350,7 @@ def test_exiting_in_a_copied_context_after_the_owner_exited_raises_scope_error()
     ctx = contextvars.copy_context()
     scope.__exit__(None, None, None)
     assert current_policy() == Policy("prefer")
-    with pytest.raises(kp.ScopeError):
+    with pytest.raises(kp.errors.ScopeError):
         ctx.run(scope.__exit__, None, None, None)
 
 
@@ -375,7 +375,7 @@ def test_exiting_in_a_child_task_raises_scope_error() -> None:
 
     asyncio.run(main())
     assert len(outcome) == 1
-    assert isinstance(outcome[0], kp.ScopeError), repr(outcome[0])
+    assert isinstance(outcome[0], kp.errors.ScopeError), repr(outcome[0])
 
 
 def test_exiting_in_a_child_task_while_parent_still_inside_raises_scope_error() -> None:
@@ -398,13 +398,13 @@ def test_exiting_in_a_child_task_while_parent_still_inside_raises_scope_error() 
 
     asyncio.run(main())
     assert len(outcome) == 1
-    assert isinstance(outcome[0], kp.ScopeError)
+    assert isinstance(outcome[0], kp.errors.ScopeError)
     assert outcome_policy == [Policy("disable")]
 
 
 def test_scope_error_message_names_the_scope() -> None:
     scope = kernel_policy("disable", RMSNorm="require")
-    with pytest.raises(kp.ScopeError) as info:
+    with pytest.raises(kp.errors.ScopeError) as info:
         scope.__exit__(None, None, None)
     assert repr(scope) in str(info.value)
 

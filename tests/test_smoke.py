@@ -11,23 +11,44 @@ def test_default_is_prefer() -> None:
     assert kernelpolicy.current_policy() == kernelpolicy.Policy("prefer")
 
 
-def test_public_classes_report_the_package_as_their_module() -> None:
-    classes = [getattr(kernelpolicy, name) for name in kernelpolicy.__all__]
-    classes = [obj for obj in classes if isinstance(obj, type)]
-    assert len(classes) >= 11
-    assert {cls.__qualname__: cls.__module__ for cls in classes} == {
-        cls.__qualname__: "kernelpolicy" for cls in classes
-    }
+def test_public_classes_report_their_public_module() -> None:
+    import kernelpolicy.errors
+    import kernelpolicy.types
+
+    for module in (kernelpolicy, kernelpolicy.errors, kernelpolicy.types):
+        classes = [getattr(module, name) for name in module.__all__]
+        classes = [obj for obj in classes if isinstance(obj, type)]
+        assert classes
+        for cls in classes:  # where it is documented, and where pickle finds it
+            assert getattr(__import__(cls.__module__, fromlist=["_"]), cls.__qualname__) is cls, cls
 
 
 def test_the_top_level_is_what_a_user_needs() -> None:
     assert not hasattr(kernelpolicy, "Mode")  # kernels' Mode is kernels.Mode; the policy modes are PolicyMode
-    assert typing.get_args(kernelpolicy.PolicyMode) == ("prefer", "disable", "require", "verify")
+    assert typing.get_args(kernelpolicy.types.PolicyMode) == ("prefer", "disable", "require", "verify")
     moved = {"MODES", "ENV_VAR", "PolicyMismatchError", "child_env", "worker_init_fn"}
     assert not moved & set(kernelpolicy.__all__)
-    assert len(kernelpolicy.__all__) == 30  # + auto_attach, kernel_accepts, reset_failures
+    assert len(kernelpolicy.__all__) == 20  # the names a user types; return types and rarer helpers: submodules
     assert kernelpolicy.distributed.PolicyMismatchError.__module__ == "kernelpolicy.distributed"
     assert callable(kernelpolicy.processes.worker_init_fn) and callable(kernelpolicy.processes.child_env)
+
+
+def test_names_that_moved_to_submodules_still_work_with_a_deprecation_warning() -> None:
+    import warnings
+
+    import kernelpolicy.errors
+    import kernelpolicy.introspect
+    import kernelpolicy.types
+
+    for name, where in kernelpolicy._MOVED.items():
+        with warnings.catch_warnings(record=True) as told:
+            warnings.simplefilter("always")
+            value = getattr(kernelpolicy, name)
+        assert value is getattr(getattr(kernelpolicy, where), name)
+        [warning] = told
+        assert warning.category is DeprecationWarning and warning.filename == __file__
+        assert f"kernelpolicy.{name} moved to kernelpolicy.{where}.{name}" in str(warning.message)
+        assert name not in kernelpolicy.__all__ and name in getattr(kernelpolicy, where).__all__
 
 
 def test_the_demo_shows_each_scene_with_the_numbers_it_claims() -> None:

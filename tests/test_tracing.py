@@ -44,7 +44,7 @@ def test_eager_runs_any_bound_kernel_unless_disabled(
     model = kernelized(kind)
     with scope(mode):
         assert kernel_ran(model(X)) is (mode != "disable")
-    assert kp.execution_state() == "eager"
+    assert kp.introspect.execution_state() == "eager"
 
 
 @pytest.mark.slow  # inductor's code generation takes about a minute on 2 cores
@@ -142,7 +142,7 @@ def test_execution_state_inside_tracers() -> None:
 
     class Probe(torch.nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            seen.append(kp.execution_state())
+            seen.append(kp.introspect.execution_state())
             return x + 1
 
     probe = Probe()

@@ -308,7 +308,7 @@ def test_a_fused_layout_has_no_original_and_says_so(tmp_path: Any) -> None:
         torch.testing.assert_close(model(IDS).logits, expected)  # prefer keeps the fused kernel
     assert calls.by_layer()["FusedUp"] == {"kernel": 2}
     for scope in (kp.kernels_disabled(), kp.kernel_policy(FusedUp="disable")):
-        with scope, pytest.raises(kp.OriginalUnavailableError) as info:
+        with scope, pytest.raises(kp.errors.OriginalUnavailableError) as info:
             model(IDS)
         assert str(info.value).startswith("no original forward for module 'model.layers.0.mlp.up_proj' (")
         assert "FusedUpLayout, kernel layer 'FusedUp'): a layout of transformers' kernel fusion" in str(info.value)

@@ -103,7 +103,7 @@ def build_model(kernel_root: Path, *, offset: float = 0.0) -> Any:
     return model
 
 
-def variant_calls(calls: kernelpolicy.CallCounts) -> dict[str, int]:
+def variant_calls(calls: kernelpolicy.types.CallCounts) -> dict[str, int]:
     """Recorded calls per kernel variant that ran them (the calls' reason names it: "variant 'alt' (...)")."""
     counts: dict[str, int] = {}
     for (_, _, path, reason, _), n in calls.items():
