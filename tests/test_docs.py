@@ -46,6 +46,11 @@ def test_relative_links_reach_a_file_and_a_heading(name: str) -> None:
     assert not broken, f"{name}: " + "; ".join(broken)
 
 
+def test_the_readme_is_a_guide_of_at_most_300_lines() -> None:
+    """The README is the user's guide; the details live in docs/ (issue 31)."""
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 300
+
+
 def test_the_anchor_rule_is_githubs() -> None:
     page = ROOT / "README.md"
     assert {"quick-start", "supported-releases", "verify-check-a-kernel-against-the-original"} <= anchors(page)
