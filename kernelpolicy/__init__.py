@@ -27,7 +27,8 @@ from ._active import current_policy
 from ._autoattach import auto_attach
 from ._errors import KernelMismatchError, KernelUnavailableError, PolicyError
 from ._policy import Policy
-from ._scope import kernel_policy, kernels_disabled, propagate, set_default_policy
+from ._propagate import propagate
+from ._scope import kernel_policy, kernels_disabled, set_default_policy
 
 if TYPE_CHECKING:
     from . import errors as errors

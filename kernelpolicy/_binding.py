@@ -11,7 +11,6 @@ from it.
 from __future__ import annotations
 
 import logging
-import sys
 from typing import TYPE_CHECKING, Any, Final, NamedTuple, final
 
 import torch
@@ -43,6 +42,7 @@ from ._persisted import checked, persisting  # noqa: F401 - read by the generate
 from ._policy import DEFAULT_VARIANT, VARIANTS, exception_types, variant_names
 from ._replay import Replays
 from ._rules import RULES, VARIANT_RULES, KernelRule, parameter_names
+from ._sharding import LOCAL_SHARDS, NO_SHARDING, ON_LOCAL_SHARDS, _no_sharding_strategy
 from ._verify import tensors_in
 
 if TYPE_CHECKING:
@@ -52,7 +52,7 @@ if TYPE_CHECKING:
 
     from ._state import ExecutionState
 
-__all__ = ["LOCAL_SHARDS", "Binding", "Kernel", "has_dtensor", "kernel_of"]
+__all__ = ["Binding", "Kernel", "kernel_of"]
 
 logger = logging.getLogger("kernelpolicy")
 
@@ -573,30 +573,6 @@ COMPILED_FIX: Final = (
     "'prefer' to take its original forward when compiled, or bind a kernel that can be traced; with "
     "fullgraph=False the KernelUnavailableError is raised at run time instead"
 )
-NO_SHARDING: Final = "kernel cannot run on DTensor inputs (its op has no sharding strategy)"
-ON_LOCAL_SHARDS: Final = "kernel run on local shards (declared with kernelpolicy.distributed.run_on_local_shards)"
-#: Kernel layer name -> how its kernel runs on local shards when its op has no DTensor sharding strategy:
-#: ``run(kernel, module, args, kwargs)``. Registered by :func:`kernelpolicy.distributed.run_on_local_shards`.
-LOCAL_SHARDS: dict[str, Callable[[Callable[..., Any], nn.Module, tuple[Any, ...], dict[str, Any]], Any]] = {}
-
-
-def _no_sharding_strategy(error: NotImplementedError, where: tuple[Any, ...]) -> bool:
-    """Whether ``error`` is DTensor's "no sharding strategy" for a call that has DTensor arguments or parameters."""
-    if "does not have a sharding strategy registered" not in str(error):
-        return False
-    args, kwargs, module = where
-    return has_dtensor(module) or any(_is_dtensor(t) for t in tensors_in((args, kwargs)))
-
-
-def has_dtensor(module: nn.Module) -> bool:
-    """Whether ``module`` has DTensor parameters or buffers of its own."""
-    return any(_is_dtensor(t) for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)])
-
-
-def _is_dtensor(tensor: torch.Tensor) -> bool:
-    tensor_module = sys.modules.get("torch.distributed.tensor")  # no DTensor exists unless it is imported
-    dtensor = getattr(tensor_module, "DTensor", None)
-    return dtensor is not None and isinstance(tensor, dtensor)
 
 
 def _raise_unavailable(binding: Binding, reason: str) -> None:

@@ -333,18 +333,18 @@ _SERVING_USE = "python -m kernelpolicy serve: a request's X-Kernel-Policy header
 _SERVING_FALLBACK = "serve refuses to start (it would serve every request under one policy)"
 
 
-def _serving(name: str) -> Internal:
+def _serving_seam(name: str) -> Internal:
     return Internal(_SERVING_USE, (f"{_SERVING}.{name}",), _SERVING_FALLBACK, seen=("transformers 5.25",))
 
 
 #: The app factory whose app gets the header middleware.
-SERVING_BUILD = _serving("server.build_server")
+SERVING_BUILD = _serving_seam("server.build_server")
 #: The engine client's request sender (the policy joins the request) and, beside it, the engine's entry point.
-SERVING_SEND = _serving("model_manager.EngineClient._send_request")
-SERVING_ENGINE = _serving("model_manager.EngineClient.run_engine")
+SERVING_SEND = _serving_seam("model_manager.EngineClient._send_request")
+SERVING_ENGINE = _serving_seam("model_manager.EngineClient.run_engine")
 #: The engine's runners, whose hand-over of a request runs inside its policy.
-SERVING_GENERATE = _serving("utils.GenerateRunner.generate")
-SERVING_CB_GENERATE = _serving("utils.CBGenerateRunner.generate")
+SERVING_GENERATE = _serving_seam("utils.GenerateRunner.generate")
+SERVING_CB_GENERATE = _serving_seam("utils.CBGenerateRunner.generate")
 SERVING_RUNNERS = (SERVING_ENGINE, SERVING_GENERATE, SERVING_CB_GENERATE)
 
 #: Every private name kernelpolicy reads.

@@ -24,11 +24,12 @@ from torch.compiler import is_dynamo_compiling as _is_dynamo
 from ._active import DEFAULTS, UNRECORDED, current_policy
 from ._attach import kernel_modules
 from ._aware import BINDING, binding_of, bound_forward
-from ._binding import LOCAL_SHARDS, NO_SHARDING, Binding, has_dtensor
+from ._binding import Binding
 from ._dispatch import USABLE
 from ._errors import KernelUnavailableError
 from ._rules import RULES
 from ._scope import _recording_scope
+from ._sharding import LOCAL_SHARDS, NO_SHARDING, has_dtensor
 from ._state import ExecutionState, execution_state
 from ._text import table
 

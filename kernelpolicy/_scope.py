@@ -1,7 +1,7 @@
 """Scopes: how code changes the policy in effect.
 
 This module owns :class:`kernel_policy` (context manager and decorator),
-:func:`kernels_disabled`, :func:`set_default_policy` and :func:`propagate`.
+:func:`kernels_disabled` and :func:`set_default_policy` (``_propagate`` carries a policy elsewhere).
 
 The nesting rule is *a scope decides what it names*: a positional mode (or a
 :class:`~kernelpolicy.Policy` value) names every layer, keyword layers name
@@ -12,7 +12,7 @@ Guarantees:
 
 - State lives in a :class:`contextvars.ContextVar`, so scopes are isolated per
   thread and per asyncio task. A new thread starts from the process default
-  (Python < 3.14 threads do not inherit contexts); :func:`propagate` carries a
+  (Python < 3.14 threads do not inherit contexts); ``kernelpolicy.propagate`` carries a
   policy into a worker explicitly.
 - A scope object keeps no per-entry state on itself: one object may be a
   module constant, entered from many threads and tasks at once and nested in
@@ -69,7 +69,7 @@ if TYPE_CHECKING:
     from collections.abc import AsyncGenerator, Awaitable, Callable, Generator, Mapping
     from types import TracebackType
 
-__all__ = ["kernel_policy", "kernels_disabled", "propagate", "set_default_policy"]
+__all__ = ["kernel_policy", "kernels_disabled", "set_default_policy"]
 
 F = TypeVar("F", bound="Callable[..., Any]")
 
@@ -475,51 +475,3 @@ def _recording_scope(policy: Policy | None, *, recording: bool | None, recorders
     scope._recording = recording
     scope._recorders = recorders
     return scope
-
-
-def propagate(fn: F) -> F:
-    """Wrap ``fn`` to run under the policy in effect now, wherever it is called.
-
-    Carries kernelpolicy's state only: the policy, and the ``record_calls``
-    recorders active here (so calls made by the worker are counted for the
-    caller). Thread pools and ``loop.run_in_executor`` do not carry contexts;
-    wrap the callable before handing it over:
-
-    >>> from concurrent.futures import ThreadPoolExecutor
-    >>> from kernelpolicy import current_policy, kernels_disabled, propagate
-    >>> with ThreadPoolExecutor(1) as pool, kernels_disabled():
-    ...     pool.submit(propagate(lambda: str(current_policy()))).result()
-    'disable'
-
-    A wrapped plain function pickles by value, so it also goes to a process
-    pool (fork, spawn or forkserver) when ``fn`` itself pickles: the worker
-    process runs it under the same policy. Recorders stay in this process:
-    calls made in another process are not counted here.
-    """
-    ensure_env()
-    current: Active = DEFAULTS.active._current
-    wrapped = _recording_scope(current.policy, recording=current.recording, recorders=RECORDERS.get())(fn)
-    if inspect.iscoroutinefunction(fn) or inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn):
-        return wrapped
-    return cast("F", _Propagated(fn, current.policy, wrapped))
-
-
-@final
-class _Propagated:
-    """What :func:`propagate` returns for a plain callable: calls it in its scope, pickles as (``fn``, policy)."""
-
-    def __init__(self, fn: Callable[..., Any], policy: Policy, call: Callable[..., Any]) -> None:
-        functools.update_wrapper(self, fn)
-        self._policy = policy
-        self._call = call
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._call(*args, **kwargs)
-
-    def __reduce__(self) -> tuple[object, ...]:
-        return (_propagated, (self.__wrapped__, self._policy))  # type: ignore[attr-defined]
-
-
-def _propagated(fn: Callable[..., Any], policy: Policy) -> Callable[..., Any]:
-    """``fn`` under ``policy``, rebuilt in another process."""
-    return kernel_policy(policy)(fn)

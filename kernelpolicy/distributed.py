@@ -125,7 +125,7 @@ def run_on_local_shards(*layer_names: str, enabled: bool = True) -> None:
     ['RMSNorm']
     >>> kernelpolicy.distributed.run_on_local_shards("RMSNorm", enabled=False)
     """
-    from ._binding import LOCAL_SHARDS
+    from ._sharding import LOCAL_SHARDS
 
     for name in [check_layer_name(name) for name in layer_names]:
         if enabled:
@@ -136,7 +136,7 @@ def run_on_local_shards(*layer_names: str, enabled: bool = True) -> None:
 
 def local_shard_layers() -> frozenset[str]:
     """The layer names declared with :func:`run_on_local_shards`."""
-    from ._binding import LOCAL_SHARDS
+    from ._sharding import LOCAL_SHARDS
 
     return frozenset(LOCAL_SHARDS)
 

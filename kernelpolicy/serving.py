@@ -162,7 +162,8 @@ def _policy_aware_load(load: Any) -> Any:
 
 def _install_engine_side() -> None:
     from . import batching
-    from ._scope import kernel_policy, propagate
+    from ._propagate import propagate
+    from ._scope import kernel_policy
 
     batching.install()
     for internal in (_compat.SERVING_GENERATE, _compat.SERVING_CB_GENERATE):

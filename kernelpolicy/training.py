@@ -101,11 +101,11 @@ def checkpoint(
     if _is_dynamo():
         return run(function, *args, **kwargs)
     ensure_env()
-    return run(_Replay(function, DEFAULTS.active._current.policy, torch.is_grad_enabled()), *args, **kwargs)
+    return run(_Carried(function, DEFAULTS.active._current.policy, torch.is_grad_enabled()), *args, **kwargs)
 
 
 @final
-class _Replay:
+class _Carried:
     """``function`` run under ``policy``: what :func:`checkpoint` hands the checkpoint function.
 
     ``grad``: whether grad was enabled where the checkpoint was taken. A

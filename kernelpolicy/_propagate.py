@@ -1,0 +1,72 @@
+"""Carrying the policy in effect to where a callable runs: another thread, a pool, another process.
+
+This module owns :func:`propagate`: a callable wrapped to run under the policy (and the ``record_calls``
+recorders) in effect where it was wrapped, which pickles with that policy for process pools.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import TYPE_CHECKING, Any, TypeVar, cast, final
+
+from ._active import DEFAULTS, RECORDERS, ensure_env
+from ._scope import _recording_scope, kernel_policy
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from ._active import Active
+    from ._policy import Policy
+
+__all__ = ["propagate"]
+
+F = TypeVar("F", bound="Callable[..., Any]")
+
+
+def propagate(fn: F) -> F:
+    """Wrap ``fn`` to run under the policy in effect now, wherever it is called.
+
+    Carries kernelpolicy's state only: the policy, and the ``record_calls``
+    recorders active here (so calls made by the worker are counted for the
+    caller). Thread pools and ``loop.run_in_executor`` do not carry contexts;
+    wrap the callable before handing it over:
+
+    >>> from concurrent.futures import ThreadPoolExecutor
+    >>> from kernelpolicy import current_policy, kernels_disabled, propagate
+    >>> with ThreadPoolExecutor(1) as pool, kernels_disabled():
+    ...     pool.submit(propagate(lambda: str(current_policy()))).result()
+    'disable'
+
+    A wrapped plain function pickles by value, so it also goes to a process
+    pool (fork, spawn or forkserver) when ``fn`` itself pickles: the worker
+    process runs it under the same policy. Recorders stay in this process:
+    calls made in another process are not counted here.
+    """
+    ensure_env()
+    current: Active = DEFAULTS.active._current
+    wrapped = _recording_scope(current.policy, recording=current.recording, recorders=RECORDERS.get())(fn)
+    if inspect.iscoroutinefunction(fn) or inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn):
+        return wrapped
+    return cast("F", _Propagated(fn, current.policy, wrapped))
+
+
+@final
+class _Propagated:
+    """What :func:`propagate` returns for a plain callable: calls it in its scope, pickles as (``fn``, policy)."""
+
+    def __init__(self, fn: Callable[..., Any], policy: Policy, call: Callable[..., Any]) -> None:
+        functools.update_wrapper(self, fn)
+        self._policy = policy
+        self._call = call
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._call(*args, **kwargs)
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_propagated, (self.__wrapped__, self._policy))  # type: ignore[attr-defined]
+
+
+def _propagated(fn: Callable[..., Any], policy: Policy) -> Callable[..., Any]:
+    """``fn`` under ``policy``, rebuilt in another process."""
+    return kernel_policy(policy)(fn)
