@@ -38,8 +38,9 @@ from ._dispatch import (
     make_forward,
 )
 from ._errors import KernelMismatchError, KernelUnavailableError, OriginalUnavailableError, unavailable_message
+from ._exceptions import exception_types
 from ._persisted import checked, persisting  # noqa: F401 - read by the generated forwards
-from ._policy import DEFAULT_VARIANT, VARIANTS, exception_types, variant_names
+from ._policy import DEFAULT_VARIANT, VARIANTS, variant_names
 from ._replay import Replays
 from ._rules import RULES, VARIANT_RULES, KernelRule, parameter_names
 from ._sharding import LOCAL_SHARDS, NO_SHARDING, ON_LOCAL_SHARDS, _no_sharding_strategy

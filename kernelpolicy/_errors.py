@@ -36,10 +36,22 @@ __all__ = [
     "PolicyMismatchError",
     "RecomputationError",
     "ScopeError",
+    "shown",
     "warn_at_caller",
 ]
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))
+
+
+#: How much of a text an error message quotes (a policy from an HTTP header can be any size).
+SHOWN_CHARS = 200
+
+
+def shown(text: object) -> str:
+    """``repr(text)``, cut to :data:`SHOWN_CHARS` characters of a long string."""
+    if isinstance(text, str) and len(text) > SHOWN_CHARS:
+        return f"{text[:SHOWN_CHARS]!r}... ({len(text)} characters)"
+    return repr(text)
 
 
 def warn_at_caller(message: str, category: type[Warning] = UserWarning, *, also_skip: tuple[str, ...] = ()) -> None:

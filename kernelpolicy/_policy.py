@@ -19,13 +19,12 @@ that says which policy is in effect, are in ``_active``.
 
 from __future__ import annotations
 
-import builtins
-import functools
-import importlib
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Literal, NamedTuple, final
+from typing import TYPE_CHECKING, Any, Final, Literal, NamedTuple, cast, final
 
 from ._errors import PolicyError
+from ._errors import shown as _shown
+from ._exceptions import check_fallback_on as _check_fallback_on
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -40,7 +39,6 @@ __all__ = [
     "Policy",
     "PolicyMode",
     "check_entry",
-    "exception_types",
     "variant_names",
 ]
 
@@ -85,6 +83,9 @@ class PolicyOptions(NamedTuple):
 
 
 NO_OPTIONS = PolicyOptions()
+#: ``Policy()``'s default mode when none is given (None is a bad mode, named in the error).
+_UNSET: Final = object()
+_NOT_GIVEN: Final = cast("PolicyMode", _UNSET)
 
 
 class _Key(NamedTuple):
@@ -95,17 +96,6 @@ class _Key(NamedTuple):
         tuple[str, str], ...
     ]  # sorted by name: a mode or a variant entry; entries equal to the default dropped
     options: PolicyOptions
-
-
-#: How much of a text an error message quotes (a policy from an HTTP header can be any size).
-SHOWN_CHARS = 200
-
-
-def _shown(text: object) -> str:
-    """``repr(text)``, cut to :data:`SHOWN_CHARS` characters of a long string."""
-    if isinstance(text, str) and len(text) > SHOWN_CHARS:
-        return f"{text[:SHOWN_CHARS]!r}... ({len(text)} characters)"
-    return repr(text)
 
 
 def check_mode(value: object, what: str) -> PolicyMode:
@@ -159,6 +149,8 @@ def check_layer_name(name: object) -> str:
         raise PolicyError("a kernel layer name must not be empty")
     if name in OPTIONS:
         raise PolicyError(f"{_shown(name)} is a policy option, not a kernel layer name")
+    if name == "mode":
+        raise PolicyError("'mode' names the mode of every layer (mode='disable', or the bare 'disable'), not a layer")
     if name.startswith("__"):
         raise PolicyError(f"kernel layer name {_shown(name)} starts with '__', which is reserved")
     # What the text syntax cannot carry: separators, any whitespace (str.strip drops Unicode spaces
@@ -195,8 +187,8 @@ def check_options(options: Mapping[str, object]) -> dict[str, object]:
         checked["fallback_on"] = _check_fallback_on(options["fallback_on"])
     if "max_failures" in options:
         value = options["max_failures"]
-        if isinstance(value, str) and value.strip().isdigit():
-            value = int(value)
+        if isinstance(value, str) and value.strip().isascii() and value.strip().isdigit():
+            value = int(value)  # ASCII digits only: str.isdigit also takes '³' and other digits int() refuses
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise PolicyError(f"max_failures must be a whole number >= 1 (or None: never stop), got {_shown(value)}")
         checked["max_failures"] = value
@@ -248,58 +240,6 @@ def _check_tolerance(name: str, value: object) -> float | tuple[tuple[str, float
     return tuple(sorted(per_dtype.items()))
 
 
-_FALLBACK_FORM = (
-    "give exception classes or their names, e.g. fallback_on=RuntimeError, (RuntimeError, torch.OutOfMemoryError) "
-    "or 'RuntimeError|torch.OutOfMemoryError'"
-)
-
-
-def _check_fallback_on(value: object) -> tuple[str, ...]:
-    """``fallback_on`` as sorted exception names (builtins bare, others by module and qualified name)."""
-    if isinstance(value, str):
-        items: list[object] = list(value.split("|")) if value.strip() else []
-    elif isinstance(value, type):
-        items = [value]
-    elif isinstance(value, (tuple, list)):
-        items = list(value)
-    else:
-        raise PolicyError(f"fallback_on: {_FALLBACK_FORM}; got {_shown(value)}")
-    names = set()
-    for item in items:
-        if isinstance(item, type):
-            if not issubclass(item, Exception):
-                raise PolicyError(f"fallback_on: {item.__name__} is not an Exception subclass; {_FALLBACK_FORM}")
-            name = item.__name__ if item.__module__ == "builtins" else f"{item.__module__}.{item.__qualname__}"
-        elif isinstance(item, str) and all(part.isidentifier() for part in item.strip().split(".")):
-            name = item.strip()
-            if "." not in name and not _is_exception(getattr(builtins, name, None)):
-                raise PolicyError(f"fallback_on: {_shown(name)} is not a built-in exception; {_FALLBACK_FORM}")
-        else:
-            raise PolicyError(f"fallback_on: {_shown(item)} is not an exception class or name; {_FALLBACK_FORM}")
-        names.add(name)
-    return tuple(sorted(names))
-
-
-def _is_exception(value: object) -> bool:
-    return isinstance(value, type) and issubclass(value, Exception)
-
-
-@functools.cache
-def exception_types(names: tuple[str, ...]) -> tuple[type[Exception], ...]:
-    """The classes ``fallback_on`` names (imported on first use; a name that does not resolve raises)."""
-    found: list[type[Exception]] = []
-    for name in names:
-        module, _, attribute = name.rpartition(".")
-        try:
-            value = getattr(importlib.import_module(module) if module else builtins, attribute)
-        except (ImportError, AttributeError) as error:
-            raise PolicyError(f"fallback_on: cannot find the exception {name!r} ({error})") from None
-        if not _is_exception(value):
-            raise PolicyError(f"fallback_on: {name!r} is not an Exception subclass")
-        found.append(value)
-    return tuple(found)
-
-
 def split_options(layers: Mapping[str, object]) -> tuple[dict[str, object], dict[str, object]]:
     """(layer modes, options) from the keyword arguments of a policy or scope."""
     modes = {name: value for name, value in layers.items() if name not in OPTIONS}
@@ -342,9 +282,18 @@ class Policy:
     _variants: tuple[tuple[str, tuple[str, ...]], ...]  # (layer, variant names) of the variant entries
     _names_variants: bool  # variant entries, or a reference that is a variant: scopes check they are bound
 
-    def __new__(cls, default: PolicyMode = "prefer", /, **layers: Any) -> Policy:
+    def __new__(cls, default: PolicyMode = _NOT_GIVEN, /, **layers: Any) -> Policy:
+        if "mode" in layers:  # as in kernel_policy(mode=...): the mode of every layer
+            layers = dict(layers)
+            keyword = layers.pop("mode")
+            if default is not _UNSET:
+                raise PolicyError(f"Policy got its mode twice: {default!r} (positional) and mode={keyword!r}")
+            default = keyword
         modes, options = split_options(layers)
-        return _make(check_mode(default, "the default"), modes, _options(NO_OPTIONS, options))
+        for name in modes:
+            check_layer_name(name)
+        mode = "prefer" if default is _UNSET else default
+        return _make(check_mode(mode, "the default"), modes, _options(NO_OPTIONS, options))
 
     @property
     def default(self) -> PolicyMode:
@@ -461,6 +410,13 @@ class Policy:
                     default = check_mode(token, "the default")
                     continue
                 name, _, mode = (part.strip() for part in token.partition("="))
+                if name == "mode":  # one meaning everywhere: the mode of every layer
+                    if default is not None:
+                        raise PolicyError(
+                            f"default mode given twice ({default!r} and {_shown(token)}); give at most one bare mode"
+                        )
+                    default = check_mode(mode, "the default")
+                    continue
                 if name in layers or name in options:
                     raise PolicyError(f"{'option' if name in options else 'layer'} {_shown(name)} named twice")
                 if name in OPTIONS:

@@ -239,7 +239,12 @@ class kernel_policy:  # noqa: N801 - lowercase like numpy.errstate and decimal.l
         _FRAMES.set(frame.enclosing)
 
     def __call__(self, fn: F) -> F:
-        """Decorate ``fn`` so that its body runs under this scope (see the module docstring)."""
+        """Decorate ``fn`` so that its body runs under this scope (see the module docstring).
+
+        A ``classmethod`` or ``staticmethod`` (the decorator written above it) stays one, its function decorated.
+        """
+        if isinstance(fn, (classmethod, staticmethod)):
+            return cast("F", type(fn)(self(fn.__func__)))
         if not callable(fn) or inspect.isclass(fn):
             raise TypeError(f"kernel_policy can decorate functions, not {fn!r}")
         if inspect.isasyncgenfunction(fn):
@@ -397,8 +402,11 @@ def kernels_disabled(*layer_names: Any) -> Any:
     """
     if not layer_names:
         return _DISABLED_ALL
-    if len(layer_names) == 1 and callable(layer_names[0]) and not isinstance(layer_names[0], str):
-        return _DISABLED_ALL(layer_names[0])  # @kernels_disabled without parentheses
+    if len(layer_names) == 1 and (
+        isinstance(layer_names[0], (classmethod, staticmethod))
+        or (callable(layer_names[0]) and not isinstance(layer_names[0], str))
+    ):
+        return _DISABLED_ALL(layer_names[0])  # type: ignore[type-var]  # @kernels_disabled without parentheses
     seen: set[str] = set()
     for name in layer_names:
         check_layer_name(name)

@@ -67,11 +67,34 @@ def test_other_errors_modes_and_types_propagate(model: nn.Module) -> None:
         model(BAD)  # not a declared type
     with kp.kernel_policy("require", fallback_on=RuntimeError), pytest.raises(RuntimeError):
         model(BAD)  # require wants the kernel
-    with (
-        kp.kernel_policy("prefer", fallback_on="kernelpolicy_no_such_module.Error"),
-        pytest.raises(kp.PolicyError, match=r"cannot find the exception 'kernelpolicy_no_such_module\.Error'"),
-    ):
-        model(BAD)
+
+
+class Outer:
+    class NestedError(RuntimeError):
+        """A nested exception class: named by its qualified name."""
+
+
+def test_fallback_on_is_resolved_where_the_policy_is_written(model: nn.Module) -> None:
+    """Issue 33: names that do not resolve fail at the scope, not in the forward (which hid the kernel's error)."""
+    for bad in ("kernelpolicy_no_such_module.Error", "torch.OutOfMemoryErrr", "torch.nn.Module"):
+        with pytest.raises(
+            kp.PolicyError, match=r"fallback_on: '.*' is not (an importable module's attribute|an Exception)"
+        ):
+            kp.kernel_policy("prefer", fallback_on=bad)
+        with pytest.raises(kp.PolicyError):
+            kp.Policy.parse(f"prefer,fallback_on={bad}")
+
+    class LocalError(RuntimeError):
+        pass
+
+    with pytest.raises(kp.PolicyError, match=r"cannot be found again by its name .*define the class at module level"):
+        kp.kernel_policy("prefer", fallback_on=LocalError)
+    # a nested class is named by its qualified name, resolves, round-trips through str and falls back
+    policy = kp.Policy("prefer", fallback_on=Outer.NestedError)
+    assert policy.fallback_on == (f"{__name__}.Outer.NestedError",)
+    assert kp.Policy.parse(str(policy)) == policy
+    with kp.kernel_policy("prefer", fallback_on=(Outer.NestedError, RuntimeError)):
+        assert not kernel_ran(model(BAD))  # the kernel raises RuntimeError: the original ran
 
 
 def test_max_failures_stops_the_kernel_until_reset(model: nn.Module) -> None:
