@@ -25,9 +25,9 @@ from ._active import DEFAULTS, UNRECORDED, current_policy
 from ._attach import kernel_modules
 from ._aware import BINDING, binding_of, bound_forward
 from ._binding import Binding
-from ._dispatch import USABLE
+from ._dispatch import USABLE, autograd_records
 from ._errors import KernelUnavailableError
-from ._rules import RULES
+from ._rules import RULES, VARIANT_RULES
 from ._scope import _recording_scope
 from ._sharding import LOCAL_SHARDS, NO_SHARDING, has_dtensor
 from ._state import ExecutionState, execution_state
@@ -67,10 +67,12 @@ UNGOVERNED_SOURCES: list[Callable[[], Iterable[str]]] = []
 def will_use_kernel(module: nn.Module, *args: Any, **kwargs: Any) -> bool:
     """Whether ``module``'s next call, made here, runs its kernel (False: its original forward, or an error).
 
-    ``args`` and ``kwargs`` are that call's arguments. Only a kernel without
-    backward depends on them (it does not run a call autograd records: grad
-    enabled and an argument or parameter requiring grad); without them the
-    answer is for arguments that need no grad.
+    ``args`` and ``kwargs`` are that call's arguments. The answer depends on
+    them where a ``kernel_accepts`` rule is declared for the layer (or one of
+    its variants), and for a kernel without backward while grad is enabled
+    and no parameter requires grad (it does not run a call autograd records).
+    Asked without arguments there, where the kernel would otherwise run, it
+    raises ``TypeError`` saying so: never a True that the call then belies.
 
     For the rare parent whose code must differ with the path its child takes
     (a kernel that wants another layout than the original forward): ask
@@ -102,7 +104,24 @@ def will_use_kernel(module: nn.Module, *args: Any, **kwargs: Any) -> bool:
             mode = getattr(active.variants, binding.layer_name) or mode
         return binding.decide(mode, "compile", args, kwargs)[0] == "kernel"
     entry = getattr(active.modes, binding.layer_name)
-    return binding.decide(UNRECORDED.get(entry, entry), execution_state(), args, kwargs)[0] == "kernel"
+    path = binding.decide(UNRECORDED.get(entry, entry), execution_state(), args, kwargs)[0]
+    if path == "kernel" and not args and not kwargs:
+        depends = _depends_on_arguments(binding)
+        if depends is not None:
+            raise TypeError(
+                f"will_use_kernel: whether {type(module).__qualname__} (kernel layer {binding.layer_name!r}) runs its "
+                f"kernel depends on the call's arguments ({depends}); pass them: will_use_kernel(module, *args, **kwargs)"
+            )
+    return path == "kernel"
+
+
+def _depends_on_arguments(binding: Binding) -> str | None:
+    """Why a call's path depends on its arguments (a rule; a kernel without backward under grad), or None."""
+    if binding.layer_name in RULES or any(layer == binding.layer_name for layer, _ in VARIANT_RULES):
+        return "a kernel_accepts rule is declared for it"
+    if not binding.has_backward and torch.is_grad_enabled() and not autograd_records(binding.module):
+        return "its kernel has no backward, grad is enabled and autograd records a call whose arguments require grad"
+    return None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -277,12 +277,24 @@ class kernel_policy:  # noqa: N801 - lowercase like numpy.errstate and decimal.l
         self.__enter__()
         return fn(*args, **kwargs)
 
+    def _follow(self, ctx: contextvars.Context) -> None:
+        """Before a generator's step: its context counts in the ``record_calls`` blocks active in the consumer's.
+
+        The generator keeps its own policy across yields; the recorders (and whether calls are recorded) are
+        the consumer's at each step, so a recorder counts the calls made while its block is active. A scope
+        that installs recorders of its own (``propagate``) keeps them.
+        """
+        if self._recorders is not None:
+            return
+        ctx.run(_follow_recorders, RECORDERS.get(), DEFAULTS.active._current.recording)
+
     def _wrap_generator(self, fn: Callable[..., Generator[Any, Any, Any]]) -> Callable[..., Generator[Any, Any, Any]]:
         @functools.wraps(fn)
         def generator_wrapper(*args: Any, **kwargs: Any) -> Generator[Any, Any, Any]:
             ctx = contextvars.copy_context()
             gen = ctx.run(self._start, fn, args, kwargs)
             try:
+                self._follow(ctx)
                 value = ctx.run(next, gen)
             except StopIteration as stop:
                 return stop.value
@@ -294,11 +306,13 @@ class kernel_policy:  # noqa: N801 - lowercase like numpy.errstate and decimal.l
                     raise
                 except BaseException as exc:  # noqa: BLE001 - forwarded into the generator
                     try:
+                        self._follow(ctx)
                         value = ctx.run(gen.throw, exc)
                     except StopIteration as stop:
                         return stop.value
                 else:
                     try:
+                        self._follow(ctx)
                         value = ctx.run(gen.send, sent)
                     except StopIteration as stop:
                         return stop.value
@@ -313,6 +327,7 @@ class kernel_policy:  # noqa: N801 - lowercase like numpy.errstate and decimal.l
             ctx = contextvars.copy_context()
             agen = ctx.run(self._start, fn, args, kwargs)
             try:
+                self._follow(ctx)
                 value = await _InContext(ctx, agen.__anext__())
             except StopAsyncIteration:
                 return
@@ -324,11 +339,13 @@ class kernel_policy:  # noqa: N801 - lowercase like numpy.errstate and decimal.l
                     raise
                 except BaseException as exc:  # noqa: BLE001 - forwarded into the generator
                     try:
+                        self._follow(ctx)
                         value = await _InContext(ctx, agen.athrow(exc))
                     except StopAsyncIteration:
                         return
                 else:
                     try:
+                        self._follow(ctx)
                         value = await _InContext(ctx, agen.asend(sent))
                     except StopAsyncIteration:
                         return
@@ -472,6 +489,14 @@ def check_variants(policy: Policy, what: str) -> None:
 def _check(policy: Policy) -> None:
     for check in tuple(POLICY_CHECKS):
         check(policy)
+
+
+def _follow_recorders(recorders: tuple[Any, ...], recording: bool) -> None:
+    """In a generator's context: these recorders, and the recording state, on the policy in effect there."""
+    RECORDERS.set(recorders)
+    active = DEFAULTS.active._current
+    if active.recording != recording:
+        _SCOPED.set(active.recorded(recording))
 
 
 def _recording_scope(policy: Policy | None, *, recording: bool | None, recorders: tuple[Any, ...]) -> kernel_policy:

@@ -162,8 +162,10 @@ def compare(kernel: Any, original: Any, *, rtol: Tolerance, atol: Tolerance, whe
     if isinstance(original, (tuple, list)):
         if not isinstance(kernel, (tuple, list)) or len(kernel) != len(original):
             return Mismatch(where, f"kernel returned {_describe(kernel)}, original {_describe(original)}")
+        names = getattr(original, "_fields", None)  # a named tuple's items by name
         for position, (k_item, o_item) in enumerate(zip(kernel, original, strict=True)):
-            found = compare(k_item, o_item, rtol=rtol, atol=atol, where=f"{where}[{position}]")
+            at = f"{where}.{names[position]}" if names else f"{where}[{position}]"
+            found = compare(k_item, o_item, rtol=rtol, atol=atol, where=at)
             if found is not None:
                 return found
         return None
@@ -175,12 +177,36 @@ def compare(kernel: Any, original: Any, *, rtol: Tolerance, atol: Tolerance, whe
             if found is not None:
                 return found
         return None
-    if kernel != original:
+    if dataclasses.is_dataclass(original) and not isinstance(original, type):
+        if type(kernel) is not type(original):
+            return Mismatch(where, f"kernel returned {_describe(kernel)}, original {_describe(original)}")
+        for field in dataclasses.fields(original):
+            found = compare(
+                getattr(kernel, field.name),
+                getattr(original, field.name),
+                rtol=rtol,
+                atol=atol,
+                where=f"{where}.{field.name}",
+            )
+            if found is not None:
+                return found
+        return None
+    try:
+        equal = bool(kernel == original)
+    except (RuntimeError, TypeError, ValueError) as error:  # an object holding tensors compares elementwise
+        return Mismatch(
+            where,
+            f"cannot compare the {type(original).__name__} outputs ({error}); verify compares tensors and "
+            "tuples, lists, dicts and dataclasses of them",
+        )
+    if not equal:
         return Mismatch(where, f"kernel returned {kernel!r}, original {original!r}")
     return None
 
 
 def _describe(value: Any) -> str:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type) and not isinstance(value, Mapping):
+        return f"{type(value).__name__} (a dataclass)"
     if isinstance(value, Mapping):
         return f"{type(value).__name__} with keys {list(value.keys())}"
     if isinstance(value, (tuple, list)):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -149,3 +149,60 @@ def test_traced_calls_are_counted_by_every_tracer(kernelized: Callable[..., Demo
     reason = f"kernel cannot be traced under {tracer} (it does not declare can_torch_compile = True)"
     assert calls.by_layer() == {"RMSNorm": {"original": 3}}
     assert {key[3] for key, _ in calls.items()} == {reason}
+
+
+def test_a_decorated_generator_counts_in_the_block_active_at_each_step(
+    kernelized: Callable[..., DemoModel],
+) -> None:
+    """Issue 33, finding 6 (was: the recorders of the generator's first step, for good)."""
+    model = kernelized("traceable")
+    x = torch.ones(2, 16)
+
+    @kp.kernels_disabled
+    def steps() -> Iterator[str]:
+        while True:
+            model(x)  # 3 RMSNorm calls a step, under the generator's own policy
+            yield kp.current_policy().default
+
+    late = steps()
+    assert next(late) == "disable"  # first step outside any block
+    with kp.record_calls() as calls:
+        assert next(late) == "disable"
+    assert calls.by_layer() == {"RMSNorm": {"original": 3}}
+    early = steps()
+    with kp.record_calls() as calls:
+        next(early)
+    next(early)  # after the block: not counted there
+    assert calls.total() == 3
+    with kp.record_calls() as outer:
+        with kp.record_calls() as inner:
+            next(early)
+        next(early)
+    assert inner.total() == 3 and outer.total() == 6
+
+
+def test_a_decorated_async_generator_counts_in_the_block_active_at_each_step(
+    kernelized: Callable[..., DemoModel],
+) -> None:
+    model = kernelized("traceable")
+    x = torch.ones(2, 16)
+
+    @kp.kernels_disabled
+    async def steps() -> AsyncIterator[str]:
+        while True:
+            model(x)
+            yield kp.current_policy().default
+
+    async def main() -> tuple[int, int]:
+        late = steps()
+        assert await anext(late) == "disable"
+        with kp.record_calls() as calls:
+            assert await anext(late) == "disable"
+        await anext(late)
+        early = steps()
+        with kp.record_calls() as first:
+            await anext(early)
+        await anext(early)
+        return calls.total(), first.total()
+
+    assert asyncio.run(main()) == (3, 3)

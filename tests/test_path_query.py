@@ -88,6 +88,28 @@ def test_eager_answer_is_the_path_of_the_next_call(kernel: type[nn.Module] | Non
     assert calls.total(path="kernel") == int(expected)
 
 
+def test_where_a_rule_decides_the_answer_needs_the_arguments() -> None:
+    """Issue 33, finding 9 (was: True, then the call ran the original forward)."""
+    parent = _parent(_Traceable)
+    kp.kernel_accepts("KpQuery", dtypes=[torch.bfloat16])
+    try:
+        with pytest.raises(TypeError, match=r"depends on the call's arguments \(a kernel_accepts rule"):
+            kp.will_use_kernel(parent.child)
+        assert not kp.will_use_kernel(parent.child, X) and parent(X).item() == ORIGINAL
+        bf16 = X.to(torch.bfloat16)
+        assert kp.will_use_kernel(parent.child, bf16) and parent(bf16).item() == KERNEL
+        with kp.kernels_disabled():  # no kernel whatever the arguments: answered without them
+            assert not kp.will_use_kernel(parent.child)
+    finally:
+        kp.kernel_accepts("KpQuery")
+    # a kernel without backward, grad enabled, no parameter requiring grad: the arguments decide too
+    no_backward = _parent(_NoBackward)
+    with pytest.raises(TypeError, match="its kernel has no backward"):
+        kp.will_use_kernel(no_backward.child)
+    with torch.no_grad():
+        assert kp.will_use_kernel(no_backward.child)
+
+
 @pytest.mark.parametrize("training", [True, False])
 def test_a_kernel_without_backward_is_not_used_where_autograd_records(training: bool) -> None:
     parent = _parent(_NoBackward).train(training)

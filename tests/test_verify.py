@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import types
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -186,6 +187,82 @@ def test_nested_outputs_are_compared_and_the_mismatch_located() -> None:
     assert info.value.where == "output[2]['b']"
     assert info.value.index == (0, 1)
     assert info.value.max_abs == pytest.approx(0.5)
+
+
+@dataclasses.dataclass
+class _Output:
+    hidden: torch.Tensor
+    extra: tuple[torch.Tensor, ...]
+
+
+class _Pair(NamedTuple):
+    first: torch.Tensor
+    second: torch.Tensor
+
+
+class _Rich(nn.Module):
+    kernel_layer_name = "Rich"
+    offset = 0.0
+
+    def forward(self, x: torch.Tensor) -> Any:
+        from transformers.modeling_outputs import BaseModelOutput
+
+        y = x + self.offset
+        return {
+            "dataclass": _Output(x + 1, (x * 2, y)),
+            "named": _Pair(x, [y, {"deep": y * 3}]),
+            "model_output": BaseModelOutput(last_hidden_state=y, hidden_states=(x, y)),
+        }
+
+
+class _RichKernel(nn.Module):
+    def forward(self, x: torch.Tensor) -> Any:
+        return _Rich.forward(self, x)
+
+
+def test_verify_compares_dataclasses_named_tuples_and_model_outputs() -> None:
+    """Issue 33, finding 8 (was: RuntimeError 'Boolean value of Tensor ... is ambiguous')."""
+    layer = _Rich()
+    layer.forward = types.MethodType(_RichKernel.forward, layer)  # type: ignore[method-assign]  # as kernels binds
+    kp.attach(layer)
+    x = torch.zeros(2, 3)
+    with kp.kernel_policy("verify"):
+        out = layer(x)  # equal: compared through every container
+    assert isinstance(out["dataclass"], _Output)
+
+    def shifted(self: nn.Module, x: torch.Tensor) -> Any:
+        out = _Rich.forward(self, x)
+        out["named"].second[1]["deep"] = out["named"].second[1]["deep"] + 1
+        return out
+
+    for where, kernel in (("output['named'].second[1]['deep']", shifted),):
+        bound = _Rich()
+        bound.forward = types.MethodType(kernel, bound)  # type: ignore[method-assign]
+        kp.attach(bound)
+        with kp.kernel_policy("verify"), pytest.raises(kp.KernelMismatchError) as info:
+            bound(x)
+        assert info.value.where == where
+
+    def dataclass_field(self: nn.Module, x: torch.Tensor) -> Any:
+        out = _Rich.forward(self, x)
+        out["dataclass"] = _Output(out["dataclass"].hidden, (out["dataclass"].extra[0] + 1, out["dataclass"].extra[1]))
+        return out
+
+    def model_output(self: nn.Module, x: torch.Tensor) -> Any:
+        out = _Rich.forward(self, x)
+        out["model_output"].last_hidden_state = out["model_output"].last_hidden_state - 1
+        return out
+
+    for where, kernel in (
+        ("output['dataclass'].extra[0]", dataclass_field),
+        ("output['model_output']['last_hidden_state']", model_output),
+    ):
+        bound = _Rich()
+        bound.forward = types.MethodType(kernel, bound)  # type: ignore[method-assign]
+        kp.attach(bound)
+        with kp.kernel_policy("verify"), pytest.raises(kp.KernelMismatchError) as info:
+            bound(x)
+        assert info.value.where == where
 
 
 def test_structure_mismatch_is_reported() -> None:
