@@ -29,7 +29,6 @@ from ._aware import (
     _resync,
     binding_of,
 )
-from ._dispatch import make_forward
 from ._errors import PolicyError
 from ._policy import check_layer_name
 from ._rules import RULES, VARIANT_RULES, KernelRule
@@ -311,7 +310,7 @@ def kernel_accepts(
     for module in list(_AWARE_MODULES.get(name, ())):
         binding = binding_of(module)
         if binding is not None:
-            module.__dict__["forward"] = make_forward(binding)
+            binding.install()
 
 
 def reset_failures(model: nn.Module) -> None:

@@ -57,18 +57,11 @@ from typing import TYPE_CHECKING, Any, Final, cast
 
 import torch
 from torch import nn
-from torch.nn.modules import module as _torch_module
-from torch.nn.modules.module import (  # the names nn.Module._call_impl reads, for _aware_call
-    Module,
-    _global_backward_hooks,
-    _global_backward_pre_hooks,
-    _global_forward_hooks,
-    _global_forward_pre_hooks,
-)
 
-from . import _compat, _watch
+from . import _call_fold, _compat, _watch
 from ._active import DEFAULTS, register_variant
 from ._binding import Binding, kernel_of
+from ._call_fold import _aware_call, _plain_call, _skip_as_dynamo_frame
 from ._dispatch import make_forward
 
 if TYPE_CHECKING:
@@ -142,7 +135,29 @@ def _make_aware(module: nn.Module, module_name: str | None) -> None:
     cls = type(module)
     if not getattr(cls, "_kernelpolicy_aware", False):
         module.__class__ = _aware_class(cls)
-    _bind(module, module.__dict__.get("forward"), module_name)
+    assigned = module.__dict__.get("forward")
+    if assigned is None or _kernels_form(module, assigned):
+        _bind(module, assigned, module_name)
+        return
+    # Another library's forward around the module's (accelerate's hook keeps the one it wraps in
+    # ``_old_forward`` and calls it there): the kernel is what it wraps, the wrapper stays around the dispatch.
+    inner = module.__dict__.get(_WRAPPED)
+    _bind(module, inner if inner is not None and _kernels_form(module, inner) else None, module_name)
+    binding = _stored_binding(module)
+    assert binding is not None
+    binding.wrapper = assigned
+    module.__dict__["forward"] = assigned
+    if inner is not None:
+        module.__dict__[_WRAPPED] = binding.dispatcher
+
+
+#: Where accelerate's hooks keep the forward they wrap (``add_hook_to_module``), and call it from.
+_WRAPPED: Final = "_old_forward"
+
+
+def _kernels_form(module: nn.Module, forward: Any) -> bool:
+    """Whether ``forward`` has the form of kernels' binding: a function bound to ``module`` as a method."""
+    return isinstance(forward, types.MethodType) and forward.__self__ is module
 
 
 def _bind(module: nn.Module, assigned: Any, module_name: str | None) -> None:
@@ -161,7 +176,7 @@ def _bind(module: nn.Module, assigned: Any, module_name: str | None) -> None:
         else:
             existing.variants[variant] = kernel_of(kernel, kernel_class, repository)
             register_variant(existing.layer_name, variant)
-        module.__dict__["forward"] = make_forward(existing)
+        existing.install()
         return
     no_original = next((reason for check in NO_ORIGINAL if (reason := check(original)) is not None), None)
     layer_name = str(type(module).kernel_layer_name)  # type: ignore[attr-defined]
@@ -178,9 +193,32 @@ def _bind(module: nn.Module, assigned: Any, module_name: str | None) -> None:
     )
     if existing is not None:
         binding.variants = existing.variants  # kernelized again (train()/eval()): the variants stay
+        binding.wrapper = existing.wrapper  # and another library's wrapper stays around the new forward
     module.__dict__[BINDING] = binding
-    module.__dict__["forward"] = make_forward(binding)
+    binding.install(None if existing is None else existing.dispatcher)
     _AWARE_MODULES.setdefault(binding.layer_name, weakref.WeakSet()).add(module)
+
+
+def _assign_forward(module: nn.Module, value: Any) -> None:
+    """``module.forward = value`` on a policy-aware module: only kernels' binding is a kernel.
+
+    Kernels' binding is what kernels assigns while its binding function runs (``_watch.kernels_binding``), and any
+    assignment of kernels' form, a function bound to the module as a method (``MethodType(layer.forward,
+    module)``, which is also how code binds a kernel by hand), and every assignment where kernels' binding
+    function cannot be watched. The module's own dispatcher assigned back (``f = m.forward; m.forward = f``,
+    accelerate's ``remove_hook_from_module``) puts the dispatch back. Anything else (accelerate's hooks, a
+    ``functools.partial``, a plain function) becomes the forward around the dispatch it wraps, as it would on
+    a plain module; ``del module.forward`` removes it.
+    """
+    binding = module.__dict__[BINDING]
+    if value is binding.dispatcher:
+        binding.wrapper = None
+        module.__dict__["forward"] = value
+    elif _watch.kernels_binding() or not _watch.watching() or _kernels_form(module, value):
+        _bind(module, value, binding.module_name)
+    else:
+        binding.wrapper = value
+        module.__dict__["forward"] = value
 
 
 def _on_own_module(module: nn.Module, original: Callable[..., Any]) -> Callable[..., Any]:
@@ -270,115 +308,6 @@ def _make_class_aware(cls: type[nn.Module]) -> None:
     cls.__init__ = __init__  # type: ignore[method-assign]
 
 
-_CALL_NAMES = ("__call__", "_wrapped_call_impl", "_call_impl")
-
-
-def _aware_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """``module(...)`` for a policy-aware module: ``nn.Module.__call__`` in one frame.
-
-    ``nn.Module.__call__`` (``_wrapped_call_impl``) calls ``_call_impl``,
-    which calls ``forward``: with kernelpolicy's dispatching ``forward`` that
-    is one Python frame more than ``kernels``' direct binding. This is the
-    fast path of those two frames (torch 2.13, ``nn.Module._call_impl``):
-    with no compiled call (``module.compile()``), no jit tracer and no module
-    or global hook, call ``forward``. In every other case, and whenever
-    something has patched ``nn.Module.__call__`` (``torch.fx`` tracing does),
-    it calls ``nn.Module.__call__`` itself, so hooks, ``_slow_forward`` and
-    patchers run exactly as without it.
-
-    The function runs with the globals of ``torch.nn.modules.module`` (see
-    below), so TorchDynamo reads the global hook dicts, ``Module`` and
-    ``torch`` from the same source as in ``nn.Module._call_impl``: no
-    aliasing guards between the two.
-    """
-    if (
-        self._compiled_call_impl is not None
-        or torch._C._get_tracing_state()
-        or self._backward_hooks
-        or self._backward_pre_hooks
-        or self._forward_hooks
-        or self._forward_pre_hooks
-        or _global_backward_pre_hooks
-        or _global_backward_hooks
-        or _global_forward_hooks
-        or _global_forward_pre_hooks
-        or Module.__call__ is not Module._wrapped_call_impl
-    ):
-        return Module.__call__(self, *args, **kwargs)
-    return self.forward(*args, **kwargs)
-
-
-def _with_torch_globals(function: Callable[..., Any]) -> Callable[..., Any]:
-    """``function`` rebuilt over the globals of ``torch.nn.modules.module``, which define all it reads."""
-    namespace = vars(_torch_module)
-    for name in function.__code__.co_names:
-        if name in function.__globals__ and namespace.get(name) is not function.__globals__[name]:
-            raise RuntimeError(f"torch.nn.modules.module.{name} is not what kernelpolicy expects")  # pragma: no cover
-    rebuilt = types.FunctionType(function.__code__, namespace, function.__name__)
-    rebuilt.__qualname__ = function.__qualname__
-    rebuilt.__module__ = function.__module__
-    rebuilt.__doc__ = function.__doc__
-    return rebuilt
-
-
-_aware_call = _with_torch_globals(_aware_call)
-
-
-_FRAME_SKIPPED = False
-
-
-def _skip_as_dynamo_frame() -> None:
-    """Have TorchDynamo skip ``_aware_call`` as a frame, as it skips ``nn.Module.__call__``.
-
-    A compiled region that resumes in eager code after a graph break converts the frames it then enters:
-    for a plain module it starts at ``forward``; at ``_aware_call`` it would trace the call path and its
-    hooks (FSDP2's pre-forward hook is ``torch._dynamo.disable``d: one more graph break). Skipping the
-    frame (``torch._dynamo.eval_frame.skip_code``; inlining in traced code is unaffected) restores torch's
-    behaviour. Done once Dynamo is imported, at the first binding after that (Dynamo takes over a second to
-    import, so kernelpolicy never imports it).
-    """
-    global _FRAME_SKIPPED
-    if _FRAME_SKIPPED:
-        return
-    skip = getattr(sys.modules.get("torch._dynamo.eval_frame"), "skip_code", None)
-    if skip is not None:
-        skip(_aware_call.__code__)
-        _FRAME_SKIPPED = True
-
-
-# The names ``nn.Module._wrapped_call_impl`` and ``_call_impl`` read in the
-# torch versions whose fast path ``_aware_call`` reproduces: 2.9 to 2.14, and
-# 2.15, which asks ``torch._C._is_tracing()`` where earlier releases asked
-# ``_get_tracing_state()`` (the same answer; ``_aware_call`` asks the latter,
-# present in both). A torch whose call path reads anything else (a new hook
-# dict, say) gets no ``__call__`` override: correct, one frame slower.
-# ``python -m kernelpolicy doctor`` reports which.
-_CALL_NAMES_2_9 = frozenset(
-    {
-        "_C", "_backward_hooks", "_backward_pre_hooks", "_call_impl", "_compiled_call_impl", "_forward_hooks",
-        "_forward_hooks_always_called", "_forward_hooks_with_kwargs", "_forward_pre_hooks", "_get_tracing_state",
-        "_global_backward_hooks", "_global_backward_pre_hooks", "_global_forward_hooks",
-        "_global_forward_hooks_always_called", "_global_forward_pre_hooks", "_slow_forward", "compiler",
-        "Exception", "forward", "is_compiling", "items", "set", "str", "torch", "warn", "warnings",
-    }
-)  # fmt: skip
-_CHECKED_CALL_NAMES: Final = (_CALL_NAMES_2_9, _CALL_NAMES_2_9 - {"_get_tracing_state"} | {"_is_tracing"})
-
-
-def torch_call_names() -> frozenset[str]:
-    """The global and attribute names torch's ``nn.Module.__call__`` path reads."""
-    return frozenset(Module._wrapped_call_impl.__code__.co_names) | frozenset(Module._call_impl.__code__.co_names)
-
-
-#: Whether policy-aware classes get :func:`_aware_call` on this torch.
-FAST_CALL: Final = torch_call_names() in _CHECKED_CALL_NAMES
-
-
-def _plain_call(cls: type[nn.Module]) -> bool:
-    """Whether ``cls`` calls like ``nn.Module`` (no ``__call__`` or ``_call_impl`` of its own)."""
-    return all(getattr(cls, name, None) is getattr(Module, name) for name in _CALL_NAMES)
-
-
 def _aware_members(cls: type[nn.Module]) -> dict[str, Any]:
     """``__setattr__``, ``__delattr__``, ``_slow_forward``, ``__call__`` and copy support for an aware class."""
     parent_setattr = cls.__setattr__
@@ -387,13 +316,18 @@ def _aware_members(cls: type[nn.Module]) -> dict[str, Any]:
 
     def __setattr__(self: nn.Module, name: str, value: Any) -> None:
         if name == "forward" and BINDING in self.__dict__:
-            _bind(self, value, self.__dict__[BINDING].module_name)
+            _assign_forward(self, value)
         else:
             parent_setattr(self, name, value)
 
     def __delattr__(self: nn.Module, name: str) -> None:
-        if name == "forward" and BINDING in self.__dict__:
-            _bind(self, None, self.__dict__[BINDING].module_name)
+        binding = self.__dict__.get(BINDING)
+        if name == "forward" and isinstance(binding, Binding):
+            if binding.wrapper is not None:  # the wrapper goes: the policy's dispatch is the forward again
+                binding.wrapper = None
+                self.__dict__["forward"] = binding.dispatcher
+            else:
+                _bind(self, None, binding.module_name)
         else:
             parent_delattr(self, name)
 
@@ -435,7 +369,7 @@ def _aware_members(cls: type[nn.Module]) -> dict[str, Any]:
         "__copy__": __copy__,
         "__deepcopy__": __deepcopy__,
     }
-    if FAST_CALL and _plain_call(cls):
+    if _call_fold.FAST_CALL and _plain_call(cls):
         members["__call__"] = _aware_call
     members.update(_own_copy_members(cls))
     return members

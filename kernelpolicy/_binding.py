@@ -91,6 +91,7 @@ class Binding:
 
     __slots__ = (
         "can_torch_compile",
+        "dispatcher",
         "dropped",
         "dtensor_failure",
         "failures",
@@ -109,6 +110,7 @@ class Binding:
         "repository",
         "stopped",
         "variants",
+        "wrapper",
     )
 
     def __init__(
@@ -153,6 +155,10 @@ class Binding:
         self.stopped: str | None = None
         #: Kernel variants by name (``kernelize(..., variant=name)``), chosen by a policy entry "kernel:name|...".
         self.variants: dict[str, Kernel] = {}
+        #: The forward ``_dispatch.make_forward`` built (see :meth:`install`), and the forward another library
+        #: assigned around it (accelerate's hooks, a user's wrapper), which ``module.forward`` is while set.
+        self.dispatcher: Any = None
+        self.wrapper: Any = None
         #: What the forward recorded for recomputations in backward (activation checkpointing), see ``_replay``.
         self.replays = Replays(self)
 
@@ -283,18 +289,35 @@ class Binding:
                 f"kernel stopped after {self.failures} failures (last: {self.last_failure}); "
                 "kernelpolicy.reset_failures(model) tries it again"
             )
-            self.module.__dict__["forward"] = make_forward(self)
+            self.install()
             self._log_once("stopped", logging.WARNING, f"is off: {self.stopped}")
         else:
             self._log_once("failed", logging.WARNING, f"raised {self.last_failure}; the original forward ran instead")
         return self._run(recorders, "original", f"{FAILED} ({self.last_failure})", self.original, args, kwargs)
+
+    def install(self, previous: Any = None) -> None:
+        """Build the module's forward (after its kernel, rules or failures changed) and put it in place.
+
+        It becomes ``module.forward``, unless another library's wrapper is (:attr:`wrapper`): that stays, and
+        what of the module referred to the forward being replaced (``previous``, else this binding's own;
+        accelerate's ``_old_forward``, which its hook calls) now refers to the new one.
+        """
+        old = self.dispatcher if previous is None else previous
+        new = self.dispatcher = make_forward(self)
+        state = self.module.__dict__
+        if self.wrapper is None or "forward" not in state:
+            state["forward"] = new
+        if old is not None:
+            for key, value in list(state.items()):
+                if value is old:
+                    state[key] = new
 
     def reset_failures(self) -> None:
         """Forget the kernel's failures; a stopped kernel is tried again."""
         stopped = self.stopped is not None
         self.failures, self.last_failure, self.stopped = 0, None, None
         if stopped:
-            self.module.__dict__["forward"] = make_forward(self)
+            self.install()
 
     def slow_path(
         self, mode: str, args: tuple[Any, ...], kwargs: dict[str, Any], state: ExecutionState | None = None

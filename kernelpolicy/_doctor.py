@@ -31,7 +31,7 @@ from torch import nn
 
 from . import _state
 from ._attach import attach
-from ._aware import _CHECKED_CALL_NAMES, FAST_CALL, torch_call_names
+from ._call_fold import _CHECKED_CALL_NAMES, FAST_CALL, torch_call_names
 from ._compat import SUPPORTED, probe
 from ._scope import kernel_policy, kernels_disabled
 

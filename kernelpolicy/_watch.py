@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import sys
 import threading
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
 from . import _compat
@@ -30,12 +31,14 @@ if TYPE_CHECKING:
 
     from torch import nn
 
-__all__ = ["ON_BIND", "watch", "watching"]
+__all__ = ["ON_BIND", "kernels_binding", "watch", "watching"]
 
 #: ``callback(module)``, called after kernels binds ``module`` (a kernel or its fallback).
 ON_BIND: list[Callable[[nn.Module], None]] = []
 
 _MARK = "_kernelpolicy_hook"
+# True while kernels' binding function runs (in this thread and task): what it assigns is a kernel.
+_BINDING: ContextVar[bool] = ContextVar("kernelpolicy.kernels_binding", default=False)
 _LOCK = threading.Lock()
 _WATCHING: bool | None = None  # None: not tried yet (kernels not imported)
 
@@ -55,6 +58,11 @@ def watch() -> bool:
         if _WATCHING is None:
             _WATCHING = _install()
     return _WATCHING
+
+
+def kernels_binding() -> bool:
+    """Whether kernels' binding function is running here: a ``module.forward = ...`` now is kernels' binding."""
+    return _BINDING.get()
 
 
 def watching() -> bool:
@@ -78,7 +86,11 @@ def _install() -> bool:
 def _hooked(bind: Callable[..., None]) -> Callable[..., None]:
     @functools.wraps(bind)
     def _replace_forward(module: nn.Module, layer: type, *args: Any, **kwargs: Any) -> None:
-        bind(module, layer, *args, **kwargs)
+        token = _BINDING.set(True)
+        try:
+            bind(module, layer, *args, **kwargs)
+        finally:
+            _BINDING.reset(token)
         for callback in ON_BIND:
             callback(module)
 

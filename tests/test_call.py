@@ -1,6 +1,6 @@
 """``module(...)`` on policy-aware layers: the one-frame ``__call__`` and everything ``nn.Module.__call__`` does.
 
-Policy-aware classes override ``__call__`` (``_aware._aware_call``): with
+Policy-aware classes override ``__call__`` (``_call_fold._aware_call``): with
 no hook, tracer, compiled call or patched ``nn.Module.__call__`` it calls
 ``forward`` directly; otherwise it calls ``nn.Module.__call__``. These tests
 pin that each of those cases behaves as with torch's own ``__call__``.
@@ -21,8 +21,9 @@ from _helpers import graph_breaks, kernel_ran
 from torch import nn
 
 import kernelpolicy as kp
-from kernelpolicy import _aware
-from kernelpolicy._aware import _aware_call, binding_of
+from kernelpolicy import _call_fold
+from kernelpolicy._aware import binding_of
+from kernelpolicy._call_fold import _aware_call
 from kernelpolicy._doctor import _fast_call
 from kernelpolicy.testing import DemoModel, kernel_calls
 
@@ -95,14 +96,14 @@ def test_a_class_with_its_own_call_keeps_it(name: str) -> None:
 
 def test_torch_call_path_is_the_one_checked() -> None:
     """Canary: a torch whose nn.Module call path reads other names turns the fast path off (see doctor)."""
-    assert _aware.torch_call_names() in _aware._CHECKED_CALL_NAMES
-    assert _aware.FAST_CALL
+    assert _call_fold.torch_call_names() in _call_fold._CHECKED_CALL_NAMES
+    assert _call_fold.FAST_CALL
     assert _fast_call().startswith("on ")
 
 
 def test_without_the_fast_path_classes_keep_torchs_call(monkeypatch: pytest.MonkeyPatch) -> None:
     # What a torch with another call path gets: nn.Module.__call__, same behaviour.
-    monkeypatch.setattr(_aware, "FAST_CALL", False)
+    monkeypatch.setattr(_call_fold, "FAST_CALL", False)
     hooked: list[str] = []
 
     @kp.use_kernel_forward_from_hub("Unchecked")
