@@ -60,7 +60,7 @@ from torch import nn
 
 from . import _call_fold, _compat, _watch
 from ._active import DEFAULTS, register_variant
-from ._binding import Binding, kernel_of
+from ._binding import BINDING_ATTRIBUTE, ON_CLASS_PATCH, Binding, kernel_of
 from ._call_fold import _aware_call, _plain_call, _skip_as_dynamo_frame
 from ._dispatch import make_forward
 
@@ -72,7 +72,7 @@ __all__ = ["KERNELIZING", "NO_ORIGINAL", "ORIGINALS", "binding_of", "bound_forwa
 
 _compat.check_torch()
 
-BINDING = "_kernelpolicy"
+BINDING = BINDING_ATTRIBUTE
 _OURS = ("forward", BINDING)
 # Original class -> its policy-aware subclass, both held weakly: a class defined at run time
 # (a notebook cell, a test, remote code) is collected with its instances, as without kernelpolicy.
@@ -197,6 +197,16 @@ def _bind(module: nn.Module, assigned: Any, module_name: str | None) -> None:
     module.__dict__[BINDING] = binding
     binding.install(None if existing is None else existing.dispatcher)
     _AWARE_MODULES.setdefault(binding.layer_name, weakref.WeakSet()).add(module)
+
+
+def _rebind_class_patched(module: nn.Module) -> None:
+    """Bind ``module`` again with the same kernel: its class's forward (patched since) is the original now."""
+    binding = module.__dict__[BINDING]
+    kernel = None if binding.kernel is None else types.MethodType(binding.kernel, module)
+    _bind(module, kernel, binding.module_name)
+
+
+ON_CLASS_PATCH.append(_rebind_class_patched)
 
 
 def _assign_forward(module: nn.Module, value: Any) -> None:

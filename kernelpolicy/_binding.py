@@ -44,7 +44,7 @@ from ._policy import DEFAULT_VARIANT, VARIANTS, variant_names
 from ._replay import Replays
 from ._rules import RULES, VARIANT_RULES, KernelRule, parameter_names
 from ._sharding import LOCAL_SHARDS, NO_SHARDING, ON_LOCAL_SHARDS, _no_sharding_strategy
-from ._verify import tensors_in
+from ._verify import run_and_compare
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -56,6 +56,11 @@ if TYPE_CHECKING:
 __all__ = ["Binding", "Kernel", "kernel_of"]
 
 logger = logging.getLogger("kernelpolicy")
+
+#: Where a policy-aware module keeps its :class:`Binding` (``module.__dict__[BINDING_ATTRIBUTE]``).
+BINDING_ATTRIBUTE: Final = "_kernelpolicy"
+#: ``rebind(module)``: bind ``module`` again, its class's forward now the original (``_aware`` registers it).
+ON_CLASS_PATCH: list[Callable[[nn.Module], None]] = []
 
 _logged: set[tuple[str, str]] = set()
 
@@ -105,6 +110,7 @@ class Binding:
         "module_name",
         "no_original",
         "original",
+        "own",
         "parameters",
         "replays",
         "repository",
@@ -159,6 +165,9 @@ class Binding:
         #: assigned around it (accelerate's hooks, a user's wrapper), which ``module.forward`` is while set.
         self.dispatcher: Any = None
         self.wrapper: Any = None
+        #: The class's forward when the module was bound: the forward asks whether it is still the class's
+        #: (a patch, ``mock.patch.object(cls, "forward", ...)``, replaces it) before it runs the original.
+        self.own: Any = getattr(type(module), "forward", None)
         #: What the forward recorded for recomputations in backward (activation checkpointing), see ``_replay``.
         self.replays = Replays(self)
 
@@ -312,6 +321,12 @@ class Binding:
                 if value is old:
                     state[key] = new
 
+    def patched(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The class's forward changed since binding (a patch): bind again with it as the original, and call."""
+        for rebind in ON_CLASS_PATCH:
+            rebind(self.module)
+        return self.module.__dict__[BINDING_ATTRIBUTE].dispatcher(*args, **kwargs)
+
     def reset_failures(self) -> None:
         """Forget the kernel's failures; a stopped kernel is tried again."""
         stopped = self.stopped is not None
@@ -323,6 +338,8 @@ class Binding:
         self, mode: str, args: tuple[Any, ...], kwargs: dict[str, Any], state: ExecutionState | None = None
     ) -> Any:
         """Every call the fast exits of the forward closure do not take."""
+        if type(self.module).forward is not self.own and not _is_dynamo():  # the class was patched: its original
+            return self.patched(args, kwargs)
         if mode == KERNEL_ON:
             mode = self._compiled_mode(args, kwargs)
         recording = mode.endswith(RECORD_SUFFIX)  # traced: a string test, no guard on UNRECORDED (see there)
@@ -522,8 +539,6 @@ class Binding:
         forward, or the variant the policy's ``reference`` option names (the original, logged once, where
         this module has no such variant).
         """
-        from ._verify import BufferState, clone_tensors, compare
-
         policy = DEFAULTS.active._current.policy
         kernel = self.kernel if tested is None else tested
         assert kernel is not None
@@ -535,18 +550,9 @@ class Binding:
                 reference, reference_name = found.function, f"variant {named!r}"
             else:
                 self._log_once(f"no {named}", logging.WARNING, f"has no variant {named!r}: compared with its original")
-        devices = sorted({t.device.index or 0 for t in tensors_in((args, kwargs)) if t.is_cuda})
-        buffers = BufferState(self.module)
-        try:
-            with torch.no_grad(), torch.random.fork_rng(devices=devices):
-                expected = reference(self.module, *clone_tensors(args), **clone_tensors(kwargs))
-            expected_buffers = clone_tensors(buffers.current()) if buffers else {}
-        finally:
-            buffers.restore()
-        out = kernel(self.module, *args, **kwargs)
-        mismatch = compare(out, expected, rtol=policy.rtol, atol=policy.atol)
-        if mismatch is None and buffers:
-            mismatch = compare(buffers.current(), expected_buffers, rtol=policy.rtol, atol=policy.atol, where="buffers")
+        out, mismatch = run_and_compare(
+            self.module, reference, kernel, args, kwargs, rtol=policy.rtol, atol=policy.atol
+        )
         if mismatch is not None:
             error = KernelMismatchError(
                 module_name=self.module_name,

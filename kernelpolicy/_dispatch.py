@@ -215,16 +215,16 @@ _BODIES: dict[str, str] = {
     "without_kernel": """
         active = DEFAULTS.active._current
         if _is_dynamo():
-            out = slow("require", {pack}) if {required} else original(self, {call})
+            out = slow("require", {pack}) if {required} else (original(self, {call}) if type(self).forward is own else type(self).forward(self, {call}))
             return checked(out, active, {name}, "r") if persisting() else out
         mode = {lookup}
         if mode == "prefer" or mode == "disable":
-            return original(self, {call})
+            return (original(self, {call}) if type(self).forward is own else patched({pack}))
         return slow(mode, {pack})""",
     "always_usable": """
         active = DEFAULTS.active._current
         if _is_dynamo():
-            out = kernel(self, {call}) if {kernel_on} else original(self, {call})
+            out = kernel(self, {call}) if {kernel_on} else (original(self, {call}) if type(self).forward is own else type(self).forward(self, {call}))
             return checked(out, active, {name}, "k") if persisting() else out
         mode = {lookup}
         if active is not last:
@@ -241,7 +241,7 @@ _BODIES: dict[str, str] = {
                     raise
                 return failed(error, {pack})
         if mode == "disable":
-            return original(self, {call})
+            return (original(self, {call}) if type(self).forward is own else patched({pack}))
         return slow(mode, {pack})""",
     "general": """
         active = DEFAULTS.active._current
@@ -251,7 +251,7 @@ _BODIES: dict[str, str] = {
             elif not traceable and {required}:
                 out = slow("require", {pack})
             else:
-                out = original(self, {call})
+                out = (original(self, {call}) if type(self).forward is own else type(self).forward(self, {call}))
             return checked(out, active, {name}, "kr") if persisting() else out
         mode = {lookup}
         if active is not last or (not has_backward and _grad()):
@@ -259,7 +259,7 @@ _BODIES: dict[str, str] = {
             if out is not GO_ON:
                 return out
         if mode == "disable":
-            return original(self, {call})
+            return (original(self, {call}) if type(self).forward is own else patched({pack}))
         if (mode == "prefer" or mode == "require") and not ({tracing}) and (
             has_backward or not (torch.is_grad_enabled() or RECOMPUTED_WITH_GRAD.get()) or not autograd_records(self, {pack})
         ):
@@ -275,7 +275,7 @@ _BODIES: dict[str, str] = {
     "ruled": """
         active = DEFAULTS.active._current
         if _is_dynamo():
-            out = slow(KERNEL_ON, {pack}) if {kernel_on} else original(self, {call})
+            out = slow(KERNEL_ON, {pack}) if {kernel_on} else (original(self, {call}) if type(self).forward is own else type(self).forward(self, {call}))
             return checked(out, active, {name}, "krv") if persisting() else out
         mode = {lookup}
         if active is not last or (not has_backward and _grad()):
@@ -283,7 +283,7 @@ _BODIES: dict[str, str] = {
             if out is not GO_ON:
                 return out
         if mode == "disable":
-            return original(self, {call})
+            return (original(self, {call}) if type(self).forward is own else patched({pack}))
         if (mode == "prefer" or mode == "require") and not ({tracing}) and (
             has_backward or not (torch.is_grad_enabled() or RECOMPUTED_WITH_GRAD.get()) or not autograd_records(self, {pack})
         ) and refused(self, {pack}) is None:
@@ -297,7 +297,7 @@ _BODIES: dict[str, str] = {
                 return failed(error, {pack})
         return slow(mode, {pack})""",
 }
-_CELLS = "original, kernel, slow, unsupported, failed, has_backward, traceable, refused, replay, last"
+_CELLS = "original, kernel, slow, unsupported, failed, has_backward, traceable, refused, replay, last, own, patched"
 _FACTORIES: dict[tuple[str, str, str, str, str], Callable[..., Callable[..., Any]]] = {}
 
 
@@ -342,15 +342,15 @@ def forward_source(variant: str, function: Callable[..., Any], layer_name: str) 
     variants for ``forward(self, hidden_states)``):
 
     >>> print(forward_source("without_kernel", lambda self, x: x, "Double"))  # doctest: +NORMALIZE_WHITESPACE
-    def make(original, kernel, slow, unsupported, failed, has_backward, traceable, refused, replay, last):
+    def make(original, kernel, slow, unsupported, failed, has_backward, traceable, refused, replay, last, own, patched):
         def forward(self, x):
             active = DEFAULTS.active._current
             if _is_dynamo():
-                out = slow("require", (x, ), {}) if active.required.Double else original(self, x)
+                out = slow("require", (x, ), {}) if active.required.Double else (original(self, x) if type(self).forward is own else type(self).forward(self, x))
                 return checked(out, active, 'Double', "r") if persisting() else out
             mode = active.modes.Double
             if mode == "prefer" or mode == "disable":
-                return original(self, x)
+                return (original(self, x) if type(self).forward is own else patched((x, ), {}))
             return slow(mode, (x, ), {})
         return forward
     """
@@ -415,6 +415,8 @@ def make_forward(binding: Binding) -> Callable[..., Any]:
         binding.refused,
         binding.replays.check,
         None,
+        binding.own,
+        binding.patched,
     )
     forward.__qualname__ = f"kernelpolicy.{variant}.forward"
     freevars = forward.__code__.co_freevars

@@ -36,7 +36,16 @@ from torch import nn
 if TYPE_CHECKING:
     from ._policy import Tolerance
 
-__all__ = ["DEFAULT_TOLERANCES", "BufferState", "Mismatch", "clone_tensors", "compare", "map_tensors", "tolerances"]
+__all__ = [
+    "DEFAULT_TOLERANCES",
+    "BufferState",
+    "Mismatch",
+    "clone_tensors",
+    "compare",
+    "map_tensors",
+    "run_and_compare",
+    "tolerances",
+]
 
 #: (rtol, atol) by dtype when the policy gives none; exact for integers and bool.
 DEFAULT_TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
@@ -212,3 +221,34 @@ def _describe(value: Any) -> str:
     if isinstance(value, (tuple, list)):
         return f"{type(value).__name__} of {len(value)}"
     return type(value).__name__
+
+
+def run_and_compare(
+    module: nn.Module,
+    reference: Callable[..., Any],
+    tested: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    rtol: Tolerance,
+    atol: Tolerance,
+) -> tuple[Any, Mismatch | None]:
+    """The procedure of ``verify``: (the tested forward's output, the first mismatch with the reference or None).
+
+    The reference runs first, on clones of the arguments, without grad, with the random state forked and the
+    module's buffers saved and restored; then the tested forward on the arguments themselves. The outputs
+    are compared, then the buffers each run left.
+    """
+    devices = sorted({t.device.index or 0 for t in tensors_in((args, kwargs)) if t.is_cuda})
+    buffers = BufferState(module)
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=devices):
+            expected = reference(module, *clone_tensors(args), **clone_tensors(kwargs))
+        expected_buffers = clone_tensors(buffers.current()) if buffers else {}
+    finally:
+        buffers.restore()
+    out = tested(module, *args, **kwargs)
+    mismatch = compare(out, expected, rtol=rtol, atol=atol)
+    if mismatch is None and buffers:
+        mismatch = compare(buffers.current(), expected_buffers, rtol=rtol, atol=atol, where="buffers")
+    return out, mismatch

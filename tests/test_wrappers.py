@@ -163,3 +163,36 @@ def test_a_users_wrapper_wraps_the_dispatch_and_del_removes_it(repo: Path) -> No
     assert norm.forward is dispatch
     norm(x)
     assert seen == ["disable", "prefer"]
+
+
+def test_class_patches_reach_every_instance_on_the_original_path(repo: Path) -> None:
+    """Issue 33, finding 3 (was: attached and decorated instances kept the class's old forward)."""
+    from unittest import mock
+
+    @kp.use_kernel_forward_from_hub("KpTwice")
+    class Twice(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return 2 * x
+
+    decorated, plain = Twice(), torch.nn.Linear(1, 1)
+    norm_model = _llama(repo)
+    norm = norm_model.model.norm
+    x = torch.ones(1, 64)
+    with kp.kernels_disabled():
+        before = norm(x)
+    kernel = norm(x)
+    with (
+        mock.patch.object(Twice, "forward", lambda self, x: 3 * x),
+        mock.patch.object(type(norm).__mro__[1], "forward", lambda self, x: x - 7),
+        mock.patch.object(torch.nn.Linear, "forward", lambda self, x: x * 0),
+    ):
+        assert plain(torch.ones(1)).item() == 0  # the plain torch behaviour
+        assert decorated(torch.ones(1)).item() == 3 == Twice()(torch.ones(1)).item()
+        with kp.kernels_disabled():
+            torch.testing.assert_close(norm(x), x - 7)  # the patched class forward is the original now
+        torch.testing.assert_close(norm(x), kernel)  # the kernel is still the kernel
+        with kp.kernel_policy("verify", atol=1.0), pytest.raises(kp.KernelMismatchError):
+            norm(x)  # verify compares with the patched original (x - 7, against the kernel's output)
+    assert decorated(torch.ones(1)).item() == 2  # the patch undone: the class's own forward again
+    with kp.kernels_disabled():
+        torch.testing.assert_close(norm(x), before)
