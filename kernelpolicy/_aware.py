@@ -62,7 +62,6 @@ from . import _call_fold, _compat, _watch
 from ._active import DEFAULTS, register_variant
 from ._binding import BINDING_ATTRIBUTE, ON_CLASS_PATCH, Binding, kernel_of
 from ._call_fold import _aware_call, _plain_call, _skip_as_dynamo_frame
-from ._dispatch import make_forward
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -360,6 +359,11 @@ def _aware_members(cls: type[nn.Module]) -> dict[str, Any]:
                 tracing_state.pop_scope()
 
     def __reduce_ex__(self: nn.Module, protocol: Any) -> Any:
+        if _foreign(self):  # a subclass another library made (torch's parametrizations): pickled as it says
+            return object.__reduce_ex__(self, protocol)
+        getstate = getattr(_original_class(self), "__getstate__", None)
+        if getstate is not None and getstate is not nn.Module.__getstate__:
+            getstate(self)  # a class that refuses pickling (parametrized modules) refuses it here too
         binding = binding_of(self)
         dropped = binding.kernel_name() if binding is not None else None
         return (_restore, (_original_class(self), _own_state(self), None, _module_name(self), dropped))
@@ -469,24 +473,47 @@ def _restore_reduced(
 
 
 def _copied(module: nn.Module, state: dict[str, Any], memo: dict[int, Any] | None = None) -> nn.Module:
-    """A copy of ``module`` with ``state`` (deep-copied with ``memo`` if given), its kernel and its variants."""
+    """A copy of ``module`` with ``state`` (deep-copied with ``memo`` if given), its kernel, variants and wrapper.
+
+    Of the module's class, or of the subclass another library made of the policy-aware one (torch's
+    parametrizations: the copy keeps them). Another library's forward wrapper is copied as the rest of the
+    state is (deep-copied, it refers to the copy), and what in the copy referred to the module's dispatch
+    (accelerate's ``_old_forward``) refers to the copy's.
+    """
     binding = binding_of(module)
-    cls = _original_class(module)
+    cls = type(module) if _foreign(module) else _original_class(module)
     new = cls.__new__(cls)
+    wrapper = binding.wrapper if binding is not None else None
     if memo is not None:
         memo[id(module)] = new
         state = copy.deepcopy(state, memo)
+        wrapper = copy.deepcopy(wrapper, memo)
     new.__dict__.update(state)
     _rebind(new, binding.kernel if binding is not None else None, _module_name(module))
     _copy_variants(module, new)
+    copied = _stored_binding(new)
+    if copied is not None and binding is not None and binding.dispatcher is not None:
+        source = binding.dispatcher.__func__
+        for key, value in list(new.__dict__.items()):
+            if isinstance(value, types.MethodType) and value.__func__ is source:
+                new.__dict__[key] = copied.dispatcher
+        if wrapper is not None:
+            copied.wrapper = wrapper
+            new.__dict__["forward"] = wrapper
     return new
+
+
+def _foreign(module: nn.Module) -> bool:
+    """Whether ``module``'s class is a subclass another library made of a policy-aware class (parametrizations)."""
+    cls = type(module)
+    return "_kernelpolicy_original" not in cls.__dict__ and "_kernelpolicy_original" in dir(cls)
 
 
 def _copy_variants(source: nn.Module, new: nn.Module) -> None:
     binding, copied = binding_of(source), binding_of(new)
     if binding is not None and binding.variants and copied is not None:
         copied.variants = dict(binding.variants)
-        new.__dict__["forward"] = make_forward(copied)
+        copied.install()
 
 
 def _original_class(module: nn.Module) -> type[nn.Module]:
