@@ -25,6 +25,7 @@ from kernelpolicy.testing import (
     DemoModel,
     kernel_calls,
     kernelize_locally,
+    one_rank_process_group,
     rms_norm_kernel_source,
     tiny_llama,
     write_kernel_repo,
@@ -163,18 +164,7 @@ def _reference(repo: Path, sequential: bool) -> list[torch.Tensor]:
 
 def kinds_table(repo: Path) -> None:
     """Markdown: each way torch checkpoints, called directly, forward under kernels_disabled(), backward after."""
-    import datetime
-    import socket
-
-    import torch.distributed as dist
-
-    with socket.socket() as free:
-        free.bind(("127.0.0.1", 0))
-        port = free.getsockname()[1]
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1, timeout=datetime.timedelta(seconds=60)
-    )
-    try:
+    with one_rank_process_group():
         print(
             "| torch's checkpointing, called directly | max abs grad diff | largest grad | kernel calls in backward |"
         )
@@ -188,8 +178,6 @@ def kinds_table(repo: Path) -> None:
             grads, calls = result
             diff = max((g - r).abs().max().item() for g, r in zip(grads, reference, strict=True))
             print(f"| {kind} | {diff:.4g} | {max(r.abs().max().item() for r in reference):.4g} | {calls} |")
-    finally:
-        dist.destroy_process_group()
 
 
 def main() -> None:

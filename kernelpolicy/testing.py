@@ -27,7 +27,10 @@ an optional output offset (to see the path inside a compiled graph).
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import json
+import socket
 import sys
 import textwrap
 import uuid
@@ -37,8 +40,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    import contextlib
-    from collections.abc import Mapping
+    from collections.abc import Iterator, Mapping
     from pathlib import Path
 
 M = TypeVar("M", bound=nn.Module)
@@ -55,11 +57,39 @@ __all__ = [
     "kernel_calls",
     "kernelize_locally",
     "local_mapping",
+    "one_rank_process_group",
     "rms_norm_kernel_source",
     "silu_kernel_source",
     "tiny_llama",
     "write_kernel_repo",
 ]
+
+
+@contextlib.contextmanager
+def one_rank_process_group(timeout_s: float = 60) -> Iterator[None]:
+    """A gloo process group of this process alone, on a free port of 127.0.0.1 (FSDP2 on one CPU rank).
+
+    >>> import torch.distributed as dist
+    >>> with one_rank_process_group():
+    ...     dist.get_world_size()
+    1
+    """
+    import torch.distributed as dist
+
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=0,
+        world_size=1,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 #: The build variant written: pure-Python kernels that load on every torch build.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import threading
 import time
 import types
 from typing import TYPE_CHECKING, Any
@@ -28,6 +29,24 @@ def graph_breaks() -> int:
 def kernel_ran(out: torch.Tensor) -> bool:
     """Whether ``out`` came through an offset test kernel (the originals give values near 0)."""
     return out.mean().item() > KERNEL_OFFSET / 2
+
+
+def in_another_thread(function: Callable[[], object], timeout_s: float = 60) -> None:
+    """Call ``function`` in a new thread (which starts from the process default policy); re-raise its error here."""
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            function()
+        except BaseException as error:  # noqa: BLE001 - re-raised in the caller's thread
+            errors.append(error)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(timeout_s)
+    assert not thread.is_alive(), f"{function!r} did not return within {timeout_s} s"
+    if errors:
+        raise errors[0]
 
 
 def free_port() -> int:

@@ -11,24 +11,21 @@ before it. The kernel's call counter during ``backward()`` counts the recomputat
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import datetime
 import gc
-import socket
-import threading
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
+from _helpers import in_another_thread
 from torch import nn
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
 import kernelpolicy as kp
 from kernelpolicy import _compat, _replay
-from kernelpolicy.testing import DemoModel, kernel_calls
+from kernelpolicy.testing import DemoModel, kernel_calls, one_rank_process_group
 from kernelpolicy.training import RecomputationError
 
 X = torch.randn(4, 16, generator=torch.Generator().manual_seed(3))
@@ -87,18 +84,7 @@ def _step(model: nn.Module, step: Step, forward_scope: Any, backward: str) -> tu
         with kp.kernels_disabled() if disabled else kp.kernel_policy("prefer"):
             loss.backward()
     else:  # from another thread, which starts from the process default
-        errors: list[BaseException] = []
-
-        def run() -> None:
-            try:
-                loss.backward()
-            except BaseException as error:  # noqa: BLE001 - re-raised in the test's thread
-                errors.append(error)
-
-        thread = threading.Thread(target=run)
-        thread.start()
-        thread.join(60)
-        assert not errors, errors
+        in_another_thread(loss.backward)
     return _grads(model), kernel_calls(model) - before
 
 
@@ -182,22 +168,6 @@ def test_checkpoint_wrappers_with_torchs_checkpoint_function(
     assert recomputed == 0
 
 
-@contextlib.contextmanager
-def _one_rank_group() -> Iterator[None]:
-    import torch.distributed as dist
-
-    with socket.socket() as free:
-        free.bind(("127.0.0.1", 0))
-        port = free.getsockname()[1]
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1, timeout=datetime.timedelta(seconds=60)
-    )
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_fsdp2_with_activation_checkpointing(
     mapping: Callable[[str], Any], kernelized: Callable[..., DemoModel], reentrant: bool
@@ -207,7 +177,7 @@ def test_fsdp2_with_activation_checkpointing(
     expected, _ = _step(
         kernelized("traceable", mode="training").train(), _plain, kp.kernels_disabled(), "after the scope"
     )
-    with _one_rank_group():
+    with one_rank_process_group():
         model = _wrapped_model(mapping, "apply_activation_checkpointing", reentrant, "after kernelize")
         for block in model.blocks:
             fully_shard(block)

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from _helpers import in_another_thread
 from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from torch.utils.checkpoint import checkpoint_sequential
@@ -75,18 +75,7 @@ def _train_step(
         with kp.kernel_policy("require") if forward_scope is not _PREFER else kp.kernels_disabled():
             loss.backward()
     else:  # from another thread, which starts from the process default
-        errors: list[BaseException] = []
-
-        def run() -> None:
-            try:
-                loss.backward()
-            except BaseException as error:  # noqa: BLE001 - re-raised in the test's thread
-                errors.append(error)
-
-        thread = threading.Thread(target=run)
-        thread.start()
-        thread.join(60)
-        assert not errors, errors
+        in_another_thread(loss.backward)
     return _grads(model), kernel_calls(model) - before
 
 
