@@ -53,14 +53,14 @@ import sys
 import types
 import weakref
 from contextvars import ContextVar
-from typing import TYPE_CHECKING, Any, Final, cast
+from typing import TYPE_CHECKING, Any, Final, TypeGuard, cast
 
 import torch
 from torch import nn
 
 from . import _call_fold, _compat, _watch
 from ._active import DEFAULTS, register_variant
-from ._binding import BINDING_ATTRIBUTE, ON_CLASS_PATCH, Binding, kernel_of
+from ._binding import BINDING, ON_CLASS_PATCH, Binding, kernel_of, redirect
 from ._call_fold import _aware_call, _plain_call, _skip_as_dynamo_frame
 
 if TYPE_CHECKING:
@@ -71,7 +71,6 @@ __all__ = ["KERNELIZING", "NO_ORIGINAL", "ORIGINALS", "binding_of", "bound_forwa
 
 _compat.check_torch()
 
-BINDING = BINDING_ATTRIBUTE
 _OURS = ("forward", BINDING)
 # Original class -> its policy-aware subclass, both held weakly: a class defined at run time
 # (a notebook cell, a test, remote code) is collected with its instances, as without kernelpolicy.
@@ -135,13 +134,13 @@ def _make_aware(module: nn.Module, module_name: str | None) -> None:
     if not getattr(cls, "_kernelpolicy_aware", False):
         module.__class__ = _aware_class(cls)
     assigned = module.__dict__.get("forward")
-    if assigned is None or _kernels_form(module, assigned):
+    if assigned is None or _kernels_form(assigned, module):
         _bind(module, assigned, module_name)
         return
     # Another library's forward around the module's (accelerate's hook keeps the one it wraps in
     # ``_old_forward`` and calls it there): the kernel is what it wraps, the wrapper stays around the dispatch.
     inner = module.__dict__.get(_WRAPPED)
-    _bind(module, inner if inner is not None and _kernels_form(module, inner) else None, module_name)
+    _bind(module, inner if _kernels_form(inner, module) else None, module_name)
     binding = _stored_binding(module)
     assert binding is not None
     binding.wrapper = assigned
@@ -154,7 +153,7 @@ def _make_aware(module: nn.Module, module_name: str | None) -> None:
 _WRAPPED: Final = "_old_forward"
 
 
-def _kernels_form(module: nn.Module, forward: Any) -> bool:
+def _kernels_form(forward: Any, module: nn.Module) -> TypeGuard[types.MethodType]:
     """Whether ``forward`` has the form of kernels' binding: a function bound to ``module`` as a method."""
     return isinstance(forward, types.MethodType) and forward.__self__ is module
 
@@ -223,7 +222,7 @@ def _assign_forward(module: nn.Module, value: Any) -> None:
     if value is binding.dispatcher:
         binding.wrapper = None
         module.__dict__["forward"] = value
-    elif _watch.kernels_binding() or not _watch.watching() or _kernels_form(module, value):
+    elif _watch.kernels_binding() or not _watch.watching() or _kernels_form(value, module):
         _bind(module, value, binding.module_name)
     else:
         binding.wrapper = value
@@ -254,7 +253,7 @@ def bound_forward(module: nn.Module) -> types.MethodType | None:
     kernelpolicy with its policy-aware forward: :func:`binding_of` tells the two apart.
     """
     assigned = module.__dict__.get("forward")
-    if not isinstance(assigned, types.MethodType) or assigned.__self__ is not module:
+    if not _kernels_form(assigned, module):
         return None
     return None if assigned.__func__ is _class_forward(module) else assigned
 
@@ -263,7 +262,7 @@ def _kernel_function(module: nn.Module, assigned: Any, original: Callable[..., A
     """The kernel ``assigned`` binds (called as ``kernel(module, ...)``), or None for the class's own forward."""
     if assigned is None:
         return None
-    if isinstance(assigned, types.MethodType) and assigned.__self__ is module:
+    if _kernels_form(assigned, module):
         return None if assigned.__func__ is original else assigned.__func__
     if callable(assigned):
         bound = assigned
@@ -493,10 +492,7 @@ def _copied(module: nn.Module, state: dict[str, Any], memo: dict[int, Any] | Non
     _copy_variants(module, new)
     copied = _stored_binding(new)
     if copied is not None and binding is not None and binding.dispatcher is not None:
-        source = binding.dispatcher.__func__
-        for key, value in list(new.__dict__.items()):
-            if isinstance(value, types.MethodType) and value.__func__ is source:
-                new.__dict__[key] = copied.dispatcher
+        redirect(new.__dict__, binding.dispatcher, copied.dispatcher)
         if wrapper is not None:
             copied.wrapper = wrapper
             new.__dict__["forward"] = wrapper

@@ -53,16 +53,23 @@ if TYPE_CHECKING:
 
     from ._state import ExecutionState
 
-__all__ = ["Binding", "Kernel", "kernel_of"]
+__all__ = ["BINDING", "ON_CLASS_PATCH", "Binding", "Kernel", "kernel_of", "redirect"]
 
 logger = logging.getLogger("kernelpolicy")
 
-#: Where a policy-aware module keeps its :class:`Binding` (``module.__dict__[BINDING_ATTRIBUTE]``).
-BINDING_ATTRIBUTE: Final = "_kernelpolicy"
+#: Where a policy-aware module keeps its :class:`Binding` (``module.__dict__[BINDING]``).
+BINDING: Final = "_kernelpolicy"
 #: ``rebind(module)``: bind ``module`` again, its class's forward now the original (``_aware`` registers it).
 ON_CLASS_PATCH: list[Callable[[nn.Module], None]] = []
 
 _logged: set[tuple[str, str]] = set()
+
+
+def redirect(state: dict[str, Any], old: Any, new: Any) -> None:
+    """Point what in a module's ``state`` is the dispatcher ``old``, or its function bound to a copy, at ``new``."""
+    for key, value in list(state.items()):
+        if getattr(value, "__func__", None) is old.__func__:  # each dispatcher has a function of its own
+            state[key] = new
 
 
 class Kernel(NamedTuple):
@@ -317,15 +324,13 @@ class Binding:
         if self.wrapper is None or "forward" not in state:
             state["forward"] = new
         if old is not None:
-            for key, value in list(state.items()):
-                if value is old:
-                    state[key] = new
+            redirect(state, old, new)
 
     def patched(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The class's forward changed since binding (a patch): bind again with it as the original, and call."""
         for rebind in ON_CLASS_PATCH:
             rebind(self.module)
-        return self.module.__dict__[BINDING_ATTRIBUTE].dispatcher(*args, **kwargs)
+        return self.module.__dict__[BINDING].dispatcher(*args, **kwargs)
 
     def reset_failures(self) -> None:
         """Forget the kernel's failures; a stopped kernel is tried again."""

@@ -23,8 +23,8 @@ from torch.compiler import is_dynamo_compiling as _is_dynamo
 
 from ._active import DEFAULTS, UNRECORDED, current_policy
 from ._attach import kernel_modules
-from ._aware import BINDING, binding_of, bound_forward
-from ._binding import Binding
+from ._aware import binding_of, bound_forward
+from ._binding import BINDING, Binding
 from ._dispatch import USABLE, autograd_records
 from ._errors import KernelUnavailableError
 from ._rules import RULES, VARIANT_RULES

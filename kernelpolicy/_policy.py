@@ -84,8 +84,7 @@ class PolicyOptions(NamedTuple):
 
 NO_OPTIONS = PolicyOptions()
 #: ``Policy()``'s default mode when none is given (None is a bad mode, named in the error).
-_UNSET: Final = object()
-_NOT_GIVEN: Final = cast("PolicyMode", _UNSET)
+_NOT_GIVEN: Final = cast("PolicyMode", object())
 
 
 class _Key(NamedTuple):
@@ -286,13 +285,11 @@ class Policy:
         if "mode" in layers:  # as in kernel_policy(mode=...): the mode of every layer
             layers = dict(layers)
             keyword = layers.pop("mode")
-            if default is not _UNSET:
+            if default is not _NOT_GIVEN:
                 raise PolicyError(f"Policy got its mode twice: {default!r} (positional) and mode={keyword!r}")
             default = keyword
         modes, options = split_options(layers)
-        for name in modes:
-            check_layer_name(name)
-        mode = "prefer" if default is _UNSET else default
+        mode = "prefer" if default is _NOT_GIVEN else default
         return _make(check_mode(mode, "the default"), modes, _options(NO_OPTIONS, options))
 
     @property

@@ -128,10 +128,9 @@ class Replays:
             cell.cell_contents = None
         graph_task = _graph_task()
         if graph_task == -1:
-            if _top_hooks(False) is not None:  # saved-tensor hooks: maybe a checkpoint's
-                frame = _frame_of_hooks(recording=True)
-                if frame is not None:
-                    self._record(frame, active)
+            frame = _frame_of_hooks(recording=True)  # None at once without saved-tensor hooks
+            if frame is not None:
+                self._record(frame, active)
             return GO_ON
         if REPLAYING.get():
             return GO_ON
