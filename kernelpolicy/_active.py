@@ -6,9 +6,10 @@ This module owns:
   recording), with the resolved mode of every known kernel layer as an
   attribute (``active.modes.RMSNorm``) and the two facts a traced program
   depends on (``active.kernel_on.RMSNorm``, ``active.required.RMSNorm``);
-- the state: one :class:`contextvars.ContextVar` for scopes and one
+- the state: one :class:`contextvars.ContextVar` for scopes, one
   process-wide default (``set_default_policy`` or ``KERNELPOLICY`` or the
-  built-in ``prefer``), in :data:`DEFAULTS`;
+  built-in ``prefer``), and the scopes entered where TorchDynamo traces
+  (:class:`TracedFrame`), in :data:`DEFAULTS`; :func:`in_effect` reads them in that order;
 - the known layer names (:func:`register_layer_name`, :func:`known_layers`);
 - :data:`POLICY_CHECKS`, what features check a policy with before a scope or
   the process default puts it in effect.
@@ -26,11 +27,12 @@ honour the caller's scope (see ``_dispatch``).
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 import weakref
 from contextvars import ContextVar
-from typing import TYPE_CHECKING, Any, Final, final
+from typing import TYPE_CHECKING, Any, Final, NamedTuple, final
 
 from ._policy import BUILTIN, ENV_VAR, MODES, Policy
 
@@ -41,13 +43,16 @@ __all__ = [
     "DEFAULTS",
     "POLICY_CHECKS",
     "Active",
+    "TracedFrame",
     "activate",
     "any_variant",
     "current_policy",
     "ensure_env",
+    "in_effect",
     "known_layers",
     "known_variants",
     "layer_facts",
+    "named",
     "register_layer_name",
     "register_variant",
 ]
@@ -98,13 +103,15 @@ class Active:
     is ``require``): read under TorchDynamo, where they are all a traced
     program depends on, so policies that spell one program differently share
     its compiled graph (see ``_dispatch``). ``policy`` is the value the
-    public API returns; recording is not part of it.
+    public API returns; recording is not part of it. ``name`` is unique in the process (:func:`named`
+    finds the object): traced code reads it as a constant where an object cannot be passed on.
     """
 
-    __slots__ = ("__weakref__", "kernel_on", "modes", "policy", "recording", "required", "variants")
+    __slots__ = ("__weakref__", "kernel_on", "modes", "name", "policy", "recording", "required", "variants")
 
     policy: Policy
     recording: bool
+    name: str
     modes: _Entries
     kernel_on: _Entries
     required: _Entries
@@ -124,6 +131,8 @@ class Active:
 
 _INTERNED: weakref.WeakValueDictionary[tuple[Policy, bool], Active] = weakref.WeakValueDictionary()
 _INTERN_LOCK = threading.Lock()
+_NAMED: weakref.WeakValueDictionary[str, Active] = weakref.WeakValueDictionary()
+_COUNT = itertools.count()
 _KNOWN_LAYERS: set[str] = set()
 
 
@@ -156,8 +165,15 @@ def _new(policy: Policy, recording: bool) -> Active:
     active.policy = policy
     active.recording = recording
     active.modes, active.kernel_on, active.required, active.variants = _Entries(), _Entries(), _Entries(), _Entries()
+    active.name = f"table{next(_COUNT)}"
+    _NAMED[active.name] = active
     _fill(active, _KNOWN_LAYERS)
     return active
+
+
+def named(name: str) -> Active:
+    """The :class:`Active` whose ``name`` is ``name`` (it must be alive)."""
+    return _NAMED[name]
 
 
 def activate(policy: Policy, recording: bool = False) -> Active:
@@ -238,13 +254,17 @@ class _Defaults:
     fails, and a read that returns another object on its attribute values,
     which the default passes too. So a program compiled under any scope,
     also one equal to the default, serves unscoped calls.
+
+    ``traced`` is the innermost scope entered inside a region TorchDynamo compiles (see
+    :class:`TracedFrame`); outside one it is None.
     """
 
-    __slots__ = ("active", "env", "env_loaded", "explicit", "lock")
+    __slots__ = ("active", "env", "env_loaded", "explicit", "lock", "traced")
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.active: Active = _new(BUILTIN, False)
+        self.traced: TracedFrame | None = None
         self.explicit: Policy | None = None
         self.env: Policy | None = None
         self.env_loaded = False
@@ -255,7 +275,32 @@ class _Defaults:
             self.active = _new(policy, False)
 
 
+class TracedFrame(NamedTuple):
+    """A scope entered inside a region TorchDynamo compiles, and the one it is nested in.
+
+    TorchDynamo cannot trace ``ContextVar.set``, but it traces writes to a plain object's attributes
+    (keeping them as side effects of the compiled program): a scope entered while tracing writes
+    ``DEFAULTS.traced``, the forwards' traced branch reads it first (:func:`in_effect`), and the scope's
+    exit restores it, so the program ends with it as it began (None).
+    """
+
+    scope: object
+    active: Active
+    enclosing: TracedFrame | None
+    #: What ``active`` was resolved from: the table where the region began, then (scope, mode, layers) each.
+    chain: tuple[Any, ...]
+
+
 DEFAULTS = _Defaults()
+
+
+def in_effect() -> Active:
+    """The :class:`Active` in effect: a scope entered in the compiled region being traced, else the scoped or default one.
+
+    The forwards' eager branch reads ``DEFAULTS.active._current`` directly (nothing is traced there).
+    """
+    traced = DEFAULTS.traced
+    return DEFAULTS.active._current if traced is None else traced.active
 
 
 def _after_fork_in_child() -> None:
@@ -311,5 +356,4 @@ def current_policy() -> Policy:
     'disable'
     """
     ensure_env()
-    active: Active = DEFAULTS.active._current
-    return active.policy
+    return in_effect().policy

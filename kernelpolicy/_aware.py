@@ -59,7 +59,7 @@ import torch
 from torch import nn
 
 from . import _call_fold, _compat, _watch
-from ._active import DEFAULTS, register_variant
+from ._active import in_effect, register_variant
 from ._binding import BINDING, ON_CLASS_PATCH, Binding, kernel_of, redirect
 from ._call_fold import _aware_call, _plain_call, _skip_as_dynamo_frame
 
@@ -351,7 +351,7 @@ def _aware_members(cls: type[nn.Module]) -> dict[str, Any]:
             tracing_state.push_scope(scope)
         try:
             # The same table entry the eager forward reads, so recorded calls are counted here too.
-            mode = getattr(DEFAULTS.active._current.modes, binding.layer_name)
+            mode = getattr(in_effect().modes, binding.layer_name)
             return binding.slow_path(mode, args, kwargs, "jit")
         finally:
             if scope:

@@ -20,7 +20,7 @@ from torch import is_grad_enabled as _grad  # noqa: F401 - read by the generated
 from torch.compiler import is_dynamo_compiling as _is_dynamo
 
 from . import _state
-from ._active import DEFAULTS, RECORD_SUFFIX, RECORDERS, register_layer_name
+from ._active import RECORD_SUFFIX, RECORDERS, in_effect, register_layer_name
 from ._compat import DYNAMO_DISABLE_MARK, kernel_repository
 from ._dispatch import (
     DISABLED,
@@ -293,7 +293,7 @@ class Binding:
         is rebuilt to ask :meth:`refused` first) until :func:`kernelpolicy.reset_failures`. An error the
         policy does not name propagates, recorded as the kernel's.
         """
-        policy = DEFAULTS.active._current.policy
+        policy = in_effect().policy
         if not isinstance(error, exception_types(policy.fallback_on)):
             self._record(recorders, "kernel", USABLE, error)
             raise error
@@ -366,7 +366,7 @@ class Binding:
             except NotImplementedError as error:
                 return self.unsupported(error, mode, args, kwargs, recorders, reason)
             except Exception as error:
-                if mode == "prefer" and DEFAULTS.active._current.policy.fallback_on:
+                if mode == "prefer" and in_effect().policy.fallback_on:
                     return self.failed(error, args, kwargs, recorders)
                 self._record(recorders, path, reason, error)
                 raise
@@ -401,7 +401,7 @@ class Binding:
         when the kernel runs, and ``require`` or ``prefer`` as ``active.required`` says only when it is
         refused: so ``prefer``, ``require`` and ``verify`` share the program where the kernel runs.
         """
-        active = DEFAULTS.active._current
+        active = in_effect()
         entry: str = getattr(active.variants, self.layer_name) if self.variants else ""
         if entry:
             return entry
@@ -420,7 +420,7 @@ class Binding:
         path, reason, function, name = self.choose(entry, state, args, kwargs)
         recorders = RECORDERS.get() if recording and not _is_dynamo() else ()
         if function is not None:
-            policy = DEFAULTS.active._current.policy
+            policy = in_effect().policy
             if policy.options.reference is not None and state == "eager" and not _state.in_transform():
                 compared = lambda module, *a, **k: self.verify(a, k, function, f"variant {name!r}")  # noqa: E731
                 return self._run(
@@ -487,7 +487,7 @@ class Binding:
         count the path taken (``reason``: why the kernel was called, for a call whose error propagates).
         """
         if not _no_sharding_strategy(error, (args, kwargs, self.module)):
-            if mode == "prefer" and DEFAULTS.active._current.policy.fallback_on:
+            if mode == "prefer" and in_effect().policy.fallback_on:
                 return self.failed(error, args, kwargs, recorders)
             self._record(recorders, "kernel", reason, error)
             raise error
@@ -544,7 +544,7 @@ class Binding:
         forward, or the variant the policy's ``reference`` option names (the original, logged once, where
         this module has no such variant).
         """
-        policy = DEFAULTS.active._current.policy
+        policy = in_effect().policy
         kernel = self.kernel if tested is None else tested
         assert kernel is not None
         reference, reference_name = self.original, "the original forward"

@@ -82,7 +82,7 @@ from torch import is_grad_enabled as _grad  # noqa: F401 - read by the generated
 from torch.compiler import is_dynamo_compiling as _is_dynamo
 
 from . import _state
-from ._active import DEFAULTS, RECOMPUTED_WITH_GRAD  # noqa: F401 - DEFAULTS: read by the generated forwards
+from ._active import DEFAULTS, RECOMPUTED_WITH_GRAD, in_effect  # noqa: F401 - DEFAULTS, in_effect: read by the generated forwards
 from ._persisted import checked, persisting  # noqa: F401 - read by the generated forwards
 from ._replay import GO_ON  # noqa: F401 - read by the generated forwards
 from ._rules import RULES
@@ -215,6 +215,7 @@ _BODIES: dict[str, str] = {
     "without_kernel": """
         active = DEFAULTS.active._current
         if _is_dynamo():
+            active = in_effect()
             out = slow("require", {pack}) if {required} else (original(self, {call}) if type(self).forward is own else type(self).forward(self, {call}))
             return checked(out, active, {name}, "r") if persisting() else out
         mode = {lookup}
@@ -224,6 +225,7 @@ _BODIES: dict[str, str] = {
     "always_usable": """
         active = DEFAULTS.active._current
         if _is_dynamo():
+            active = in_effect()
             out = kernel(self, {call}) if {kernel_on} else (original(self, {call}) if type(self).forward is own else type(self).forward(self, {call}))
             return checked(out, active, {name}, "k") if persisting() else out
         mode = {lookup}
@@ -246,6 +248,7 @@ _BODIES: dict[str, str] = {
     "general": """
         active = DEFAULTS.active._current
         if _is_dynamo():
+            active = in_effect()
             if traceable and {kernel_on}:
                 out = slow("require" if {required} else "prefer", {pack})
             elif not traceable and {required}:
@@ -275,6 +278,7 @@ _BODIES: dict[str, str] = {
     "ruled": """
         active = DEFAULTS.active._current
         if _is_dynamo():
+            active = in_effect()
             out = slow(KERNEL_ON, {pack}) if {kernel_on} else (original(self, {call}) if type(self).forward is own else type(self).forward(self, {call}))
             return checked(out, active, {name}, "krv") if persisting() else out
         mode = {lookup}
@@ -346,6 +350,7 @@ def forward_source(variant: str, function: Callable[..., Any], layer_name: str) 
         def forward(self, x):
             active = DEFAULTS.active._current
             if _is_dynamo():
+                active = in_effect()
                 out = slow("require", (x, ), {}) if active.required.Double else (original(self, x) if type(self).forward is own else type(self).forward(self, x))
                 return checked(out, active, 'Double', "r") if persisting() else out
             mode = active.modes.Double

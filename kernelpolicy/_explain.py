@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.compiler import is_dynamo_compiling as _is_dynamo
 
-from ._active import DEFAULTS, UNRECORDED, current_policy
+from ._active import UNRECORDED, current_policy, in_effect
 from ._attach import kernel_modules
 from ._aware import binding_of, bound_forward
 from ._binding import BINDING, Binding
@@ -97,7 +97,7 @@ def will_use_kernel(module: nn.Module, *args: Any, **kwargs: Any) -> bool:
             f"will_use_kernel needs a policy-aware layer (marked with use_kernel_forward_from_hub and bound by "
             f"kernelize or attach), got {type(module).__module__}.{type(module).__qualname__}"
         )
-    active = DEFAULTS.active._current
+    active = in_effect()
     if _is_dynamo():  # the compiled forward's read: whether the kernel is on, not the mode that spells it
         mode: str = "prefer" if getattr(active.kernel_on, binding.layer_name) else "disable"
         if binding.variants:  # and which variants: the entry (as the slow path reads it)

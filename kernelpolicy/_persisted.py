@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Final, cast
 
 import torch
 
-from ._active import DEFAULTS, ensure_env, layer_facts
+from ._active import ensure_env, in_effect, layer_facts
 from ._compat import (
     CACHING_PRECOMPILE,
     DYNAMO_CONSTANT_MARK,
@@ -73,7 +73,7 @@ def _check(
 ) -> torch.Tensor:
     """The op's kernel (every device): a zero scalar, or :class:`ArtifactPolicyError` if the policy differs."""
     ensure_env()
-    policy = DEFAULTS.active._current.policy
+    policy = in_effect().policy
     _, now_on, now_required, now_variant = layer_facts(policy, layer)
     was = {"k": kernel_on, "r": required, "v": variant}
     is_ = {"k": now_on, "r": now_required, "v": now_variant}
@@ -120,7 +120,7 @@ def persisting() -> bool:
 
 def _traced_policy() -> str:
     """The text of the policy in effect while TorchDynamo traces (called by Dynamo at trace time)."""
-    return str(DEFAULTS.active._current.policy)
+    return str(in_effect().policy)
 
 
 _CHECKED: weakref.WeakKeyDictionary[Any, set[tuple[str, str]]] = weakref.WeakKeyDictionary()

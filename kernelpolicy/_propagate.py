@@ -10,7 +10,7 @@ import functools
 import inspect
 from typing import TYPE_CHECKING, Any, TypeVar, cast, final
 
-from ._active import DEFAULTS, RECORDERS, ensure_env
+from ._active import RECORDERS, ensure_env, in_effect
 from ._scope import _recording_scope, kernel_policy
 
 if TYPE_CHECKING:
@@ -44,7 +44,7 @@ def propagate(fn: F) -> F:
     calls made in another process are not counted here.
     """
     ensure_env()
-    current: Active = DEFAULTS.active._current
+    current: Active = in_effect()
     wrapped = _recording_scope(current.policy, recording=current.recording, recorders=RECORDERS.get())(fn)
     if inspect.iscoroutinefunction(fn) or inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn):
         return wrapped

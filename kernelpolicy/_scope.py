@@ -38,6 +38,7 @@ import inspect
 from contextvars import ContextVar, Token
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar, cast, final, overload
 
+from . import _traced as traced
 from ._active import (
     _SCOPED,
     DEFAULTS,
@@ -176,16 +177,29 @@ class kernel_policy:  # noqa: N801 - lowercase like numpy.errstate and decimal.l
 
     __module__ = "kernelpolicy"  # the public name (see kernelpolicy/__init__.py)
 
-    __slots__ = ("_cache", "_deferred", "_fixed", "_layers", "_mode", "_options", "_recorders", "_recording")
+    __slots__ = ("_cache", "_deferred", "_fixed", "_layers", "_made", "_mode", "_options", "_recorders", "_recording")
 
     def __init__(self, mode: PolicyMode | Policy | None = None, /, **layers: Any) -> None:
-        self._fixed, self._mode, self._layers, self._options = _validated(mode, layers)
-        self._cache: dict[Active, Active] = {}
         # Internal (record_calls, propagate): switch recording, install recorders.
         self._recording: bool | None = None
         self._recorders: tuple[Any, ...] | None = None
         # Internal (the pytest plugin): the variants named are checked by the caller later (once fixtures bound them).
         self._deferred = False
+        self._made: tuple[object, dict[str, Any]] | None = (mode, layers) if traced.compiling() else None  # see _traced
+        if self._made is not None:
+            return
+        self._fixed, self._mode, self._layers, self._options = _validated(mode, layers)
+        self._cache: dict[Active, Active] = {}
+
+    def entered(self, enclosing: Active) -> Active:
+        """What entering this scope inside ``enclosing`` puts in effect, checked as ``__enter__`` checks it."""
+        ensure_env()
+        active = self.resolve(enclosing)
+        if active.policy._names_variants and not self._deferred:
+            check_variants(active.policy, "kernel_policy")
+        if POLICY_CHECKS:
+            _check(active.policy)
+        return active
 
     def resolve(self, enclosing: Active) -> Active:
         """What this scope puts in effect inside ``enclosing`` (recording is inherited unless set here)."""
@@ -201,12 +215,12 @@ class kernel_policy:  # noqa: N801 - lowercase like numpy.errstate and decimal.l
         return found
 
     def __enter__(self) -> Policy:
-        ensure_env()
-        active = self.resolve(DEFAULTS.active._current)
-        if active.policy._names_variants and not self._deferred:
-            check_variants(active.policy, "kernel_policy")
-        if POLICY_CHECKS:
-            _check(active.policy)
+        if traced.compiling():
+            return traced.enter(self, None if self._made is None else (kernel_policy, *self._made))
+        if self._made is not None:  # made while TorchDynamo traced, entered eagerly (a graph break)
+            self._fixed, self._mode, self._layers, self._options = _validated(*self._made)
+            self._cache, self._made = {}, None
+        active = self.entered(DEFAULTS.active._current)
         token = _SCOPED.set(active)
         recorders = None if self._recorders is None else RECORDERS.set(self._recorders)
         _FRAMES.set(_Frame(self, token, recorders, _FRAMES.get()))
@@ -218,6 +232,8 @@ class kernel_policy:  # noqa: N801 - lowercase like numpy.errstate and decimal.l
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        if traced.compiling():
+            return traced.exit(self)
         frame = _FRAMES.get()
         if frame is None or frame.scope is not self:
             raise ScopeError(
@@ -254,9 +270,11 @@ class kernel_policy:  # noqa: N801 - lowercase like numpy.errstate and decimal.l
         if inspect.isgeneratorfunction(fn):
             return cast("F", self._wrap_generator(fn))
 
+        name = traced.name_of(self)
+
         @functools.wraps(fn)
         def sync_wrapper(*args: Any, **kwargs: Any) -> Any:
-            with self:
+            with traced.Entered(self, name) if traced.compiling() else self:
                 return fn(*args, **kwargs)
 
         return cast("F", sync_wrapper)
@@ -353,6 +371,9 @@ class kernel_policy:  # noqa: N801 - lowercase like numpy.errstate and decimal.l
         return async_generator_wrapper
 
     def __repr__(self) -> str:
+        if self._made is not None:
+            mode, layers = self._made
+            return f"kernel_policy({', '.join([repr(mode)] + [f'{name}={value!r}' for name, value in layers.items()])})"
         if self._fixed is not None:
             return f"kernel_policy({self._fixed!r})"
         args = [repr(self._mode)] if self._mode is not None else []
@@ -418,7 +439,7 @@ def kernels_disabled(*layer_names: Any) -> Any:
     'disable'
     """
     if not layer_names:
-        return _DISABLED_ALL
+        return kernel_policy("disable") if traced.compiling() else _DISABLED_ALL  # see _traced.Entered
     if len(layer_names) == 1 and (
         isinstance(layer_names[0], (classmethod, staticmethod))
         or (callable(layer_names[0]) and not isinstance(layer_names[0], str))

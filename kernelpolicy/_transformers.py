@@ -53,7 +53,7 @@ from torch import nn
 from torch.compiler import is_dynamo_compiling as _is_dynamo
 
 from . import _compat
-from ._active import DEFAULTS, RECORD_SUFFIX, UNRECORDED
+from ._active import RECORD_SUFFIX, UNRECORDED, in_effect
 from ._attach import ATTACH_HOOKS
 from ._aware import NO_ORIGINAL, ORIGINALS, _make_class_aware, binding_of
 from ._errors import PolicyError
@@ -130,7 +130,7 @@ class HubAttention(nn.Module):
             return self.mask_functions[self.fallback](*args, **kwargs)
         mask = self.kernel_mask(*args, **kwargs)
         if not _is_dynamo():
-            entry = getattr(DEFAULTS.active._current.modes, ATTENTION)
+            entry = getattr(in_effect().modes, ATTENTION)
             if UNRECORDED.get(entry, entry) == "verify":
                 return MaskPair(mask, self.mask_functions[self.fallback](*args, **kwargs))
         return mask
@@ -308,7 +308,7 @@ def package_fallback(forward: Callable[..., Any], layer_name: str) -> Callable[.
 
     @functools.wraps(forward)
     def original(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        entry = getattr(DEFAULTS.active._current.modes, layer_name)  # the table the forward read
+        entry = getattr(in_effect().modes, layer_name)  # the table the forward read
         if entry in ("disable", f"disable{RECORD_SUFFIX}"):  # no lookup in UNRECORDED: it is traced
             return torch_function(*args, **kwargs)
         return forward(module, *args, **kwargs)

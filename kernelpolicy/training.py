@@ -59,7 +59,7 @@ import torch
 from torch.compiler import is_dynamo_compiling as _is_dynamo
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-from ._active import DEFAULTS, RECOMPUTED_WITH_GRAD, ensure_env
+from ._active import RECOMPUTED_WITH_GRAD, ensure_env, in_effect
 from ._attach import ATTACH_HOOKS
 from ._errors import RecomputationError
 from ._replay import REPLAYING
@@ -101,7 +101,7 @@ def checkpoint(
     if _is_dynamo():
         return run(function, *args, **kwargs)
     ensure_env()
-    return run(_Carried(function, DEFAULTS.active._current.policy, torch.is_grad_enabled()), *args, **kwargs)
+    return run(_Carried(function, in_effect().policy, torch.is_grad_enabled()), *args, **kwargs)
 
 
 @final

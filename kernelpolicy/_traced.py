@@ -1,0 +1,174 @@
+"""Scopes entered where TorchDynamo traces: inside a ``torch.compile`` region, or under strict ``torch.export``.
+
+This module owns how such a scope is entered and exited. TorchDynamo cannot trace ``ContextVar.set``, but
+it traces writes to a plain object's attributes, keeping them as side effects of the program: a scope
+entered while tracing pushes a :class:`~kernelpolicy._active.TracedFrame` on ``DEFAULTS.traced``, the
+forwards' traced branch reads it first (``_active.in_effect``), and the exit pops it, so a program ends
+with ``DEFAULTS.traced`` as it began (None), and eager code never sees one. So ``with kernels_disabled():``,
+``with kernel_policy(...)`` and a decorated function compile inside ``fullgraph=True`` without a graph
+break and take the scope's path, as ``torch.nn.attention.sdpa_kernel`` does.
+
+What the scope puts in effect is resolved while tracing, by :func:`_resolved_name` run as
+``torch.compiler.assume_constant_result`` (TorchDynamo calls it and folds its result into the program): so
+its arguments are exactly what the program must be guarded on:
+
+- the name of the table in effect where the region began (``Active.name``, read from the table the
+  forwards read, so guarded with it);
+- for each scope entered since, its arguments (``kernel_policy("disable")`` made in the region: constants
+  of the traced code), its name (a decorator's scope, :func:`name_of`, captured by the wrapper), or the
+  scope object itself (one made outside the region, guarded on identity; a scope never changes once made).
+
+The traced code then reads the resulting table as an attribute of :data:`_RESOLVED` (a module global),
+which TorchDynamo guards as it guards any object read from a global. A scope that cannot be entered (bad
+arguments, a refused policy) breaks the graph with the error's message, as a failing ``require`` does:
+``fullgraph=True`` fails with it, and otherwise the frame runs eagerly and entering the scope raises it.
+
+TorchDynamo before torch 2.14 enters only context managers made inside the region: a scope object made
+outside (a module constant, ``DISABLED = kernels_disabled()``) then fails with TorchDynamo's
+"Unsupported context manager" under ``fullgraph=True``, and breaks the graph otherwise (the frame then
+runs eagerly, under the scope). ``kernels_disabled()`` makes a new object where TorchDynamo traces, and a
+decorated function enters through :class:`Entered`, which is made there, so both work on every supported
+torch. A graph break inside such a scope runs the whole frame eagerly (TorchDynamo does not resume inside
+a context manager it traced), so the eager scope holds there.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from typing import TYPE_CHECKING, Any, Final, Protocol, final
+
+from ._active import DEFAULTS, Active, TracedFrame, named
+from ._compat import DYNAMO_CONSTANT_MARK
+from ._errors import ScopeError
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from ._policy import Policy
+
+__all__ = ["Entered", "compiling", "enter", "exit", "name_of"]
+
+
+def _compiling() -> bool:
+    """Whether TorchDynamo traces this code: never before torch is imported (scopes import no torch).
+
+    Once it is, :data:`compiling` becomes ``torch.compiler.is_dynamo_compiling`` itself (a scope's entry
+    and exit each ask).
+    """
+    global compiling
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return False
+    compiling = torch.compiler.is_dynamo_compiling
+    return compiling()
+
+
+compiling: Callable[[], bool] = _compiling
+
+
+class _Enterable(Protocol):
+    def entered(self, enclosing: Active) -> Active: ...
+
+
+def enter(scope: _Enterable, made: tuple[Any, ...] | None, name: str | None = None) -> Policy:
+    """Enter ``scope`` while tracing; return the policy it puts in effect (``__enter__``'s value).
+
+    ``made``: ``(kernel_policy, mode, layers)`` for a scope made in the region (its arguments), else None;
+    ``name``: the scope's name where it has one (:func:`name_of`).
+    """
+    frame = DEFAULTS.traced
+    chain = (DEFAULTS.active._current.name,) if frame is None else frame.chain
+    chain = (*chain, *(made if made is not None else (scope if name is None else name, None, None)))
+    resolved = _resolved_name(*chain)
+    if resolved.startswith(_REFUSED):
+        # As require's failure (see _binding): fullgraph=True fails with this message; otherwise the frame
+        # runs eagerly, where entering the scope raises the error itself.
+        sys.modules["torch"]._dynamo.graph_break(msg=resolved[len(_REFUSED) :])
+    active: Active = getattr(_RESOLVED, resolved)
+    DEFAULTS.traced = TracedFrame(scope, active, frame, chain)
+    return active.policy
+
+
+def exit(scope: object) -> None:
+    """Exit ``scope`` while tracing (it must be the innermost one entered there)."""
+    frame = DEFAULTS.traced
+    if frame is None or frame.scope is not scope:
+        raise ScopeError(f"{scope!r} exited out of order in a region TorchDynamo compiles")
+    DEFAULTS.traced = frame.enclosing
+
+
+@final
+class Entered:
+    """A scope made outside a compiled region, entered inside one by a decorated function.
+
+    TorchDynamo before torch 2.14 traces only context managers made in the region: this one is.
+    """
+
+    __slots__ = ("name", "scope")
+
+    def __init__(self, scope: _Enterable, name: str) -> None:
+        self.scope = scope
+        self.name = name
+
+    def __enter__(self) -> Policy:
+        return enter(self.scope, None, self.name)
+
+    def __exit__(self, *exc_info: object) -> None:
+        exit(self.scope)
+
+
+@final
+class _Resolved:
+    """The tables scopes entered in compiled regions put in effect, one attribute each (by ``Active.name``)."""
+
+
+_RESOLVED = _Resolved()
+_LOCK = threading.Lock()
+_SCOPES: dict[str, _Enterable] = {}
+
+
+def name_of(scope: _Enterable) -> str:
+    """A name that finds ``scope`` while tracing, for good (a decorator's scope: decorators live long)."""
+    with _LOCK:
+        for name, known in _SCOPES.items():
+            if known is scope:
+                return name
+        name = f"scope{len(_SCOPES)}"
+        _SCOPES[name] = scope
+        return name
+
+
+def _resolved_name(start: str, *scopes: Any) -> str:
+    """The name of what the scopes entered in a region put in effect, from the table named ``start``.
+
+    ``scopes``: three items per scope: the scope object or its name, None, None; or a scope's class and
+    the arguments it was made with in the region (mode, layers). Kept in :data:`_RESOLVED`, so alive while
+    compiled programs may read it.
+    """
+    active = named(start)
+    for index in range(0, len(scopes), 3):
+        given, mode, layers = scopes[index : index + 3]
+        try:
+            if isinstance(given, type):
+                scope = given(mode, **layers)
+            else:
+                scope = _SCOPES[given] if isinstance(given, str) else given
+            active = scope.entered(active)
+        except Exception as error:  # noqa: BLE001 - raised where the scope is entered eagerly (see enter)
+            return f"{_REFUSED}kernelpolicy: {_written(given, mode, layers)} cannot be entered: {error}"
+    setattr(_RESOLVED, active.name, active)
+    return active.name
+
+
+def _written(given: Any, mode: object, layers: dict[str, Any] | None) -> str:
+    """How the scope ``given`` (see :func:`_resolved_name`) is written."""
+    if isinstance(given, type) and layers is not None:
+        written = [repr(mode)] if mode is not None else []
+        return f"kernel_policy({', '.join(written + [f'{name}={value!r}' for name, value in layers.items()])})"
+    return repr(_SCOPES[given] if isinstance(given, str) else given)
+
+
+_REFUSED: Final = "!"
+# torch.compiler.assume_constant_result's mark, set directly (importing TorchDynamo takes over a second).
+setattr(_resolved_name, DYNAMO_CONSTANT_MARK, True)

@@ -1,0 +1,228 @@
+"""Scopes entered inside compiled code: no graph break, the scope's path, the right guards (kernelpolicy._traced).
+
+The RMSNorm kernel under test adds 100 (``kernel_ran``); the layers are a kernelized ``DemoModel``'s.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch._dynamo
+from _helpers import CountingBackend, graph_breaks, kernel_ran
+from torch import nn
+
+import kernelpolicy as kp
+from kernelpolicy import _active
+from kernelpolicy.testing import DemoModel
+
+X = torch.randn(2, 16, generator=torch.Generator().manual_seed(5))
+# TorchDynamo enters a context manager made outside the compiled region from torch 2.14 on.
+OUTSIDE_OBJECTS = torch.__version__ >= "2.14"
+
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
+
+@pytest.fixture
+def norm(kernelized: Callable[..., DemoModel]) -> nn.Module:
+    """A policy-aware RMSNorm with a traceable kernel that adds 100."""
+    return kernelized("traceable").norm
+
+
+def paths(outputs: tuple[Any, ...]) -> list[object]:
+    return [("kernel" if kernel_ran(out) else "original") if isinstance(out, torch.Tensor) else out for out in outputs]
+
+
+def compiled(function: Callable[..., Any], backend: CountingBackend | None = None) -> Callable[..., Any]:
+    return torch.compile(function, fullgraph=True, backend=backend or CountingBackend())
+
+
+def test_kernels_disabled_inside_fullgraph_takes_the_scopes_path_without_a_break(norm: nn.Module) -> None:
+    def step(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        with kp.kernels_disabled():
+            inside = norm(x)
+        with kp.kernels_disabled("RMSNorm"):
+            named = norm(x)
+        return inside, named, norm(x)
+
+    backend = CountingBackend()
+    run = compiled(step, backend)
+    assert paths(run(X)) == ["original", "original", "kernel"]
+    assert paths(run(X)) == ["original", "original", "kernel"]
+    assert graph_breaks() == 0 and backend.compiles == 1
+    assert _active.DEFAULTS.traced is None  # the program ends as it began
+    assert paths(step(X)) == ["original", "original", "kernel"]  # what eager code gives
+
+
+def test_nested_scopes_and_their_values_inside_fullgraph(norm: nn.Module) -> None:
+    def step(x: torch.Tensor) -> tuple[object, ...]:
+        with kp.kernel_policy("disable") as outer:
+            a = norm(x)
+            with kp.kernel_policy(RMSNorm="prefer") as inner:
+                b = norm(x)
+                seen = str(kp.current_policy())
+            c = norm(x)
+        return a, b, c, norm(x), str(outer), str(inner), seen, str(kp.current_policy())
+
+    expected = ["original", "kernel", "original", "kernel", "disable", "disable,RMSNorm=prefer"]
+    expected += ["disable,RMSNorm=prefer", "prefer"]
+    assert paths(compiled(step)(X)) == expected
+    assert paths(step(X)) == expected
+
+
+def test_the_enclosing_eager_scope_is_guarded(norm: nn.Module) -> None:
+    """A region's scope layers over the caller's policy: a new caller policy compiles again, never reuses."""
+
+    def step(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        with kp.kernel_policy(SiLU="disable"):  # names another layer: RMSNorm is the caller's
+            inside = norm(x)
+        with kp.kernel_policy(RMSNorm="prefer"):
+            preferred = norm(x)
+        return inside, preferred
+
+    backend = CountingBackend()
+    run = compiled(step, backend)
+    assert paths(run(X)) == ["kernel", "kernel"]
+    with kp.kernels_disabled():
+        assert paths(run(X)) == ["original", "kernel"]
+    with kp.kernel_policy(RMSNorm="disable"):
+        assert paths(run(X)) == ["original", "kernel"]
+    assert paths(run(X)) == ["kernel", "kernel"]
+    assert backend.compiles == 3 and graph_breaks() == 0
+
+
+@pytest.mark.parametrize("decorator", ["kernels_disabled", "kernels_disabled()", "kernel_policy('disable')"])
+def test_a_decorated_function_called_in_a_compiled_region(norm: nn.Module, decorator: str) -> None:
+    scope = {
+        "kernels_disabled": kp.kernels_disabled,
+        "kernels_disabled()": kp.kernels_disabled(),
+        "kernel_policy('disable')": kp.kernel_policy("disable"),
+    }[decorator]
+
+    @scope
+    def reference(x: torch.Tensor) -> torch.Tensor:
+        return norm(x)  # type: ignore[no-any-return]
+
+    def step(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return reference(x), norm(x)
+
+    backend = CountingBackend()
+    assert paths(compiled(step, backend)(X)) == ["original", "kernel"]
+    assert graph_breaks() == 0 and backend.compiles == 1
+
+
+class Block(nn.Module):
+    """A model whose own forward enters a scope (as a modeling file could)."""
+
+    def __init__(self, norm: nn.Module) -> None:
+        super().__init__()
+        self.norm = norm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with kp.kernels_disabled("RMSNorm"):
+            reference = self.norm(x)
+        return self.norm(x) - reference  # the kernel's offset: 100
+
+
+def test_a_module_whose_forward_enters_a_scope_compiles_whole(norm: nn.Module) -> None:
+    block = Block(norm)
+    backend = CountingBackend()
+    out = torch.compile(block, fullgraph=True, backend=backend)(X)
+    torch.testing.assert_close(out, block(X))
+    torch.testing.assert_close(out, torch.full_like(out, 100.0))
+    assert graph_breaks() == 0 and backend.compiles == 1
+
+
+def test_a_graph_break_inside_a_scope_runs_the_frame_under_it(norm: nn.Module) -> None:
+    """TorchDynamo does not resume inside a traced context manager: the frame runs eagerly, under the scope."""
+    seen: list[str] = []
+
+    @torch._dynamo.disable
+    def eager(x: torch.Tensor) -> torch.Tensor:
+        seen.append(str(kp.current_policy()))
+        return norm(x)  # type: ignore[no-any-return]
+
+    def step(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        with kp.kernels_disabled():
+            a = norm(x)
+            b = eager(x)
+            c = norm(x)
+        return a, b, c, norm(x)
+
+    run = torch.compile(step, backend=CountingBackend())
+    for _ in range(2):
+        assert paths(run(X)) == ["original", "original", "original", "kernel"]
+    assert seen == ["disable", "disable"]
+    assert _active.DEFAULTS.traced is None
+
+
+def test_a_scope_made_outside_the_region(norm: nn.Module) -> None:
+    """From torch 2.14 TorchDynamo enters it; before, fullgraph fails with its error and a break runs it eagerly."""
+    disabled = kp.kernel_policy("disable")
+
+    def step(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        with disabled:
+            inside = norm(x)
+        return inside, norm(x)
+
+    if OUTSIDE_OBJECTS:
+        assert paths(compiled(step)(X)) == ["original", "kernel"]
+        assert graph_breaks() == 0
+    else:
+        with pytest.raises(torch._dynamo.exc.Unsupported, match="created outside the compiled region"):
+            compiled(step)(X)
+    torch._dynamo.reset()
+    assert paths(torch.compile(step, backend=CountingBackend())(X)) == ["original", "kernel"]
+
+
+def test_a_bad_scope_inside_a_compiled_region_names_the_bad_value(norm: nn.Module) -> None:
+    """As a failing require: fullgraph fails with the error's message; else the frame runs eagerly and raises it."""
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        with kp.kernel_policy("fast"):
+            return norm(x)  # type: ignore[no-any-return]
+
+    message = "unknown kernel policy mode 'fast' for every layer; valid modes are"
+    with pytest.raises(torch._dynamo.exc.Unsupported, match=message):
+        compiled(step)(X)
+    torch._dynamo.reset()
+    with pytest.raises(kp.PolicyError, match=message):
+        torch.compile(step, backend=CountingBackend())(X)
+    assert _active.DEFAULTS.traced is None
+
+
+def test_threads_share_the_program_and_never_see_another_threads_scope(norm: nn.Module) -> None:
+    def step(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        with kp.kernels_disabled():
+            inside = norm(x)
+        return inside, norm(x)
+
+    run = compiled(step)
+    assert paths(run(X)) == ["original", "kernel"]
+    results: list[list[object]] = []
+    errors: list[BaseException] = []
+
+    def worker(disabled: bool) -> None:
+        try:
+            for _ in range(20):
+                if disabled:
+                    with kp.kernels_disabled():
+                        results.append(["disable", *paths(run(X))])
+                else:
+                    results.append(["prefer", *paths(run(X))])
+        except BaseException as error:  # noqa: BLE001 - re-raised below
+            errors.append(error)
+
+    threads = [threading.Thread(target=worker, args=(index % 2 == 1,)) for index in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not errors, errors
+    assert len(results) == 80
+    for policy, inside, after in results:
+        assert inside == "original" and after == ("original" if policy == "disable" else "kernel")
+    assert _active.DEFAULTS.traced is None
