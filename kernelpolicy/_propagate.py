@@ -1,17 +1,19 @@
 """Carrying the policy in effect to where a callable runs: another thread, a pool, another process.
 
 This module owns :func:`propagate`: a callable wrapped to run under the policy (and the ``record_calls``
-recorders) in effect where it was wrapped, which pickles with that policy for process pools.
+recorders) in effect where it was wrapped, which pickles with that policy for process pools; and
+:func:`leave_scopes`, with which a worker's initializer (``processes.worker_init_fn``) ends the scopes a fork copied.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 from typing import TYPE_CHECKING, Any, TypeVar, cast, final
 
-from ._active import RECORDERS, ensure_env, in_effect
-from ._scope import _recording_scope, kernel_policy
+from ._active import _SCOPED, DEFAULTS, RECORDERS, ensure_env, in_effect
+from ._scope import _FRAMES, _recording_scope, kernel_policy
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -19,7 +21,7 @@ if TYPE_CHECKING:
     from ._active import Active
     from ._policy import Policy
 
-__all__ = ["propagate"]
+__all__ = ["leave_scopes", "propagate"]
 
 F = TypeVar("F", bound="Callable[..., Any]")
 
@@ -70,3 +72,25 @@ class _Propagated:
 def _propagated(fn: Callable[..., Any], policy: Policy) -> Callable[..., Any]:
     """``fn`` under ``policy``, rebuilt in another process."""
     return kernel_policy(policy)(fn)
+
+
+def leave_scopes() -> None:
+    """End every scope active in this context, unexited: from here on the process default is in effect in it.
+
+    For a worker's initializer (``processes.worker_init_fn``): a forked worker runs in a copy of the forking
+    thread's context, whose scopes (and ``record_calls`` recorders, copies of the parent's) would otherwise
+    hold for the worker's life over the default the initializer sets. The variable is reset to what it was
+    before the outermost scope (unset); where that scope was entered in another context (a generator's own),
+    the variable holds the process default's own table, which reads as unset does (the same object) until
+    ``set_default_policy`` replaces it. The scopes' exits are never called in the worker.
+    """
+    frame, outermost = _FRAMES.get(), None
+    while frame is not None:
+        frame, outermost = frame.enclosing, frame
+    if outermost is not None:
+        with contextlib.suppress(ValueError, RuntimeError):  # entered in another context than this one
+            _SCOPED.reset(outermost.token)
+    if _SCOPED.get(None) is not None:
+        _SCOPED.set(DEFAULTS.active)
+    _FRAMES.set(None)
+    RECORDERS.set(())

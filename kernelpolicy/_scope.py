@@ -478,11 +478,15 @@ def set_default_policy(mode: PolicyMode | Policy | None = None, /, **layers: Any
     new = base if restore else fixed if fixed is not None else base.overlay(default, checked, options)
     if new.names_variants:
         check_variants(new, "set_default_policy")
+    return _set_default(new, explicit=not restore)
+
+
+def _set_default(new: Policy, *, explicit: bool) -> Policy:
     if POLICY_CHECKS:
         _check(new)
     with DEFAULTS.lock:
         previous = DEFAULTS.active.policy
-        DEFAULTS.explicit = None if restore else new
+        DEFAULTS.explicit = new if explicit else None
         DEFAULTS.set(new)
     return previous
 

@@ -11,10 +11,11 @@ initializers) and :func:`child_env` (the environment of a launched child);
 
 A policy lives in a ``ContextVar`` of one process. A forked child copies the
 forking thread's context, so it keeps the scope active at the fork for its
-whole life; a spawned or forkserver child starts from ``KERNELPOLICY`` in its
-environment. Both helpers send a plain :class:`~kernelpolicy.Policy`, which
-pickles as its content; ``record_calls`` recorders stay in the calling
-process (calls made elsewhere are not counted here).
+whole life unless its initializer (:func:`worker_init_fn`) ends it; a spawned
+or forkserver child starts from ``KERNELPOLICY`` in its environment. Both
+helpers send a plain :class:`~kernelpolicy.Policy`, which pickles as its
+content; ``record_calls`` recorders stay in the
+calling process (calls made elsewhere are not counted here).
 """
 
 from __future__ import annotations
@@ -39,12 +40,16 @@ def worker_init_fn(fn: Callable[..., Any] | None = None) -> Callable[..., None]:
     For ``torch.utils.data.DataLoader(worker_init_fn=...)``, whose workers are
     processes (spawned ones otherwise see only ``KERNELPOLICY``), and for
     ``ProcessPoolExecutor(initializer=...)`` or ``multiprocessing.Pool``. In
-    the worker it calls :func:`~kernelpolicy.set_default_policy` with the
-    policy in effect where ``worker_init_fn`` was called (every layer, as
-    ``kernel_policy(policy)`` would), then ``fn(*args)`` (DataLoader passes the
-    worker id). A DataLoader calls it once per worker, so the policy holds for
-    the worker's life: with ``persistent_workers=True``, build a new loader to
-    change it.
+    the worker it makes the policy in effect where ``worker_init_fn`` was
+    called the process default (every layer, as ``kernel_policy(policy)``
+    would) and ends the scopes a forked worker copied from the thread that
+    forked it (a loader iterated, or a pool first used, inside
+    ``kernels_disabled()`` still gives its workers this policy), then calls
+    ``fn(*args)`` (DataLoader passes the worker id). A DataLoader calls it
+    once per worker, a pool once per worker it starts (replacements
+    included), so the policy holds for each worker's life: with
+    ``persistent_workers=True``, build a new loader to change it. A task's
+    own scope (``propagate(task)``) still wins while it runs.
 
     >>> import pickle, kernelpolicy, kernelpolicy.processes
     >>> with kernelpolicy.kernel_policy("disable", RMSNorm="require"):
@@ -68,9 +73,11 @@ class _WorkerInit:
         self.fn = fn
 
     def __call__(self, *args: Any) -> None:
+        from ._propagate import leave_scopes
         from ._scope import set_default_policy
 
         set_default_policy(self.policy)
+        leave_scopes()  # a forked worker's copy of the forking thread's scopes would hide that default
         if self.fn is not None:
             self.fn(*args)
 

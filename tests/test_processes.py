@@ -238,3 +238,33 @@ def test_a_pickled_module_says_its_kernel_was_dropped(tmp_path: Any) -> None:
         loaded(x)
     kernelize_locally(loaded, {"RMSNorm": repo})
     assert {(row.path, row.reason) for row in kp.explain(loaded)} == {("kernel", "kernel usable")}
+
+
+def test_worker_init_fn_wins_over_the_scope_a_forked_dataloader_worker_inherits() -> None:
+    """The policy captured where worker_init_fn() was called holds in fork workers started inside another scope."""
+    with kp.kernel_policy("prefer", RMSNorm="require"):
+        init = kernelpolicy.processes.worker_init_fn()
+    with kp.kernels_disabled():  # the workers fork here: their context holds this scope
+        assert _loader_items("fork", worker_init_fn=init) == ["prefer,RMSNorm=require"] * 2
+    with kp.kernels_disabled():
+        assert kp.current_policy() == kp.Policy("disable")  # the parent's scope is untouched
+
+
+def test_worker_init_fn_holds_in_fork_pools_first_used_inside_a_scope() -> None:
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    from _workers import policy_text
+
+    context = multiprocessing.get_context("fork")
+    init = kernelpolicy.processes.worker_init_fn()  # the process default: prefer
+    with ProcessPoolExecutor(1, mp_context=context, initializer=init) as pool, kp.kernels_disabled():
+        assert pool.submit(policy_text).result(timeout=120) == "prefer"  # the worker forks here, in the scope
+        assert pool.submit(kp.propagate(policy_text)).result(timeout=120) == "disable"  # a task's own scope wins
+    # multiprocessing.Pool replaces a worker after each task (from its own thread, outside the scope): every
+    # worker, the first forked in the scope and its replacements, sees the initializer's policy.
+    with kp.kernel_policy(RMSNorm="disable"):
+        init = kernelpolicy.processes.worker_init_fn()
+    with kp.kernel_policy("require"), context.Pool(1, initializer=init, maxtasksperchild=1) as pool:
+        seen = [pool.apply_async(policy_text).get(timeout=120) for _ in range(3)]
+    assert seen == ["prefer,RMSNorm=disable"] * 3
