@@ -1,8 +1,14 @@
 """Carrying the policy in effect to where a callable runs: another thread, a pool, another process.
 
 This module owns :func:`propagate`: a callable wrapped to run under the policy (and the ``record_calls``
-recorders) in effect where it was wrapped, which pickles with that policy for process pools; and
-:func:`leave_scopes`, with which a worker's initializer (``processes.worker_init_fn``) ends the scopes a fork copied.
+recorders) in effect where it was wrapped, which pickles with that policy for process pools; and what a
+worker's initializer (``processes.worker_init_fn``) does with a carried policy: :func:`leave_scopes`.
+
+A policy carried to another process may name kernel variants (``RMSNorm="kernel:fast"``): they were bound
+where it was captured, and the worker binds its own later, in its task (as a ``KERNELPOLICY`` naming variants
+is read before any is bound). So a carried policy takes effect there unchecked; a call whose variant is not
+bound takes the entry's next candidate or the original (``explain``: ``no variant can run ('fast' not bound)``),
+and ``require`` raises.
 """
 
 from __future__ import annotations
@@ -70,8 +76,10 @@ class _Propagated:
 
 
 def _propagated(fn: Callable[..., Any], policy: Policy) -> Callable[..., Any]:
-    """``fn`` under ``policy``, rebuilt in another process."""
-    return kernel_policy(policy)(fn)
+    """``fn`` under ``policy``, rebuilt in another process (its variants unchecked: see the module docstring)."""
+    scope = kernel_policy(policy)
+    scope._deferred = True
+    return scope(fn)
 
 
 def leave_scopes() -> None:

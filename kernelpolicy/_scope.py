@@ -70,7 +70,7 @@ if TYPE_CHECKING:
     from collections.abc import AsyncGenerator, Awaitable, Callable, Generator, Mapping
     from types import TracebackType
 
-__all__ = ["kernel_policy", "kernels_disabled", "set_default_policy"]
+__all__ = ["kernel_policy", "kernels_disabled", "set_default_policy", "set_unchecked_default"]
 
 F = TypeVar("F", bound="Callable[..., Any]")
 
@@ -183,7 +183,8 @@ class kernel_policy:  # noqa: N801 - lowercase like numpy.errstate and decimal.l
         # Internal (record_calls, propagate): switch recording, install recorders.
         self._recording: bool | None = None
         self._recorders: tuple[Any, ...] | None = None
-        # Internal (the pytest plugin): the variants named are checked by the caller later (once fixtures bound them).
+        # Internal (the pytest plugin, a policy propagate carried to a worker): the variants named are checked
+        # by the caller later (once fixtures bound them), or not at all (the worker's task binds them).
         self._deferred = False
         self._made: tuple[object, dict[str, Any]] | None = (mode, layers) if traced.compiling() else None  # see _traced
         if self._made is not None:
@@ -479,6 +480,15 @@ def set_default_policy(mode: PolicyMode | Policy | None = None, /, **layers: Any
     if new.names_variants:
         check_variants(new, "set_default_policy")
     return _set_default(new, explicit=not restore)
+
+
+def set_unchecked_default(policy: Policy) -> Policy:
+    """``set_default_policy(policy)`` without checking that its variants are bound: a policy carried to a worker.
+
+    See ``_propagate``'s docstring (``processes.worker_init_fn`` calls it).
+    """
+    ensure_env()
+    return _set_default(policy, explicit=True)
 
 
 def _set_default(new: Policy, *, explicit: bool) -> Policy:

@@ -14,7 +14,7 @@ forking thread's context, so it keeps the scope active at the fork for its
 whole life unless its initializer (:func:`worker_init_fn`) ends it; a spawned
 or forkserver child starts from ``KERNELPOLICY`` in its environment. Both
 helpers send a plain :class:`~kernelpolicy.Policy`, which pickles as its
-content; ``record_calls`` recorders stay in the
+content, variant entries included; ``record_calls`` recorders stay in the
 calling process (calls made elsewhere are not counted here).
 """
 
@@ -49,7 +49,9 @@ def worker_init_fn(fn: Callable[..., Any] | None = None) -> Callable[..., None]:
     once per worker, a pool once per worker it starts (replacements
     included), so the policy holds for each worker's life: with
     ``persistent_workers=True``, build a new loader to change it. A task's
-    own scope (``propagate(task)``) still wins while it runs.
+    own scope (``propagate(task)``) still wins while it runs. Variants the
+    policy names are not checked in the worker, which binds its own later,
+    in its task (as with ``KERNELPOLICY``).
 
     >>> import pickle, kernelpolicy, kernelpolicy.processes
     >>> with kernelpolicy.kernel_policy("disable", RMSNorm="require"):
@@ -74,9 +76,9 @@ class _WorkerInit:
 
     def __call__(self, *args: Any) -> None:
         from ._propagate import leave_scopes
-        from ._scope import set_default_policy
+        from ._scope import set_unchecked_default
 
-        set_default_policy(self.policy)
+        set_unchecked_default(self.policy)  # its variants are bound later, by the worker's task
         leave_scopes()  # a forked worker's copy of the forking thread's scopes would hide that default
         if self.fn is not None:
             self.fn(*args)

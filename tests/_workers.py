@@ -167,3 +167,19 @@ class InitReport(PolicyReport):
         import os
 
         return os.environ.get("KP_TEST_INIT", "not called")
+
+
+def variant_offset(default_repo: str, variant_repo: str) -> str:
+    """Bind an RMSNorm's default kernel and the variant ``fast`` here, call it once: the offset of what ran, and the policy.
+
+    A worker's task that kernelizes its own model: the variant a carried policy names is bound only now.
+    """
+    import torch
+
+    from kernelpolicy.testing import RMSNorm, kernelize_locally, local_mapping
+
+    norm = kernelize_locally(RMSNorm(16).eval(), {"RMSNorm": default_repo})
+    with local_mapping({"RMSNorm": variant_repo}, inherit=False):
+        kp.kernelize(norm, mode="inference", device="cpu", variant="fast")
+    out = norm(torch.ones(2, 16))
+    return f"{round(out.mean().item() - 1)} {policy_text()}"

@@ -268,3 +268,54 @@ def test_worker_init_fn_holds_in_fork_pools_first_used_inside_a_scope() -> None:
     with kp.kernel_policy("require"), context.Pool(1, initializer=init, maxtasksperchild=1) as pool:
         seen = [pool.apply_async(policy_text).get(timeout=120) for _ in range(3)]
     assert seen == ["prefer,RMSNorm=disable"] * 3
+
+
+def test_a_carried_variant_policy_is_checked_where_its_variants_are_bound() -> None:
+    """In a worker the variants a carried policy names are bound later, by its task: neither carrier refuses them."""
+    from _workers import policy_text
+
+    from kernelpolicy._propagate import _propagated
+
+    carried = kp.Policy.parse("prefer,CarriedNorm=kernel:elsewhere")  # bound in the process it came from only
+    assert _propagated(policy_text, carried)() == str(carried)  # what a pool worker rebuilds
+    init = kernelpolicy.processes.worker_init_fn()
+    init.policy = carried
+    previous = kp.current_policy()
+    try:
+        init()  # what a worker runs first
+        assert kp.current_policy() == carried
+    finally:
+        kp.set_default_policy(previous)
+    with pytest.raises(kp.PolicyError, match="no kernel variant 'elsewhere'"):  # here, in a scope, it is checked
+        kp.kernel_policy(carried).__enter__()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("carrier", ["propagate", "worker_init_fn"])
+def test_variant_policies_reach_spawned_workers(carrier: str, tmp_path: Any) -> None:
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    from _workers import variant_offset
+
+    from kernelpolicy.testing import (
+        RMSNorm,
+        kernelize_locally,
+        local_mapping,
+        rms_norm_kernel_source,
+        write_kernel_repo,
+    )
+
+    repos = [
+        str(write_kernel_repo(tmp_path / name, rms_norm_kernel_source(offset=value), name=f"norm-{name}"))
+        for name, value in (("default", 100.0), ("fast", 200.0))
+    ]
+    norm = kernelize_locally(RMSNorm(16).eval(), {"RMSNorm": repos[0]})
+    with local_mapping({"RMSNorm": repos[1]}, inherit=False):
+        kp.kernelize(norm, mode="inference", device="cpu", variant="fast")  # the scope below checks it is bound
+    with kp.kernel_policy(RMSNorm="kernel:fast"):
+        task = kp.propagate(variant_offset) if carrier == "propagate" else variant_offset
+        init = kernelpolicy.processes.worker_init_fn() if carrier == "worker_init_fn" else None
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(1, mp_context=context, initializer=init) as pool:
+        assert pool.submit(task, *repos).result(timeout=300) == "200 prefer,RMSNorm=kernel:fast"
