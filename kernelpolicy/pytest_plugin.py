@@ -143,8 +143,7 @@ def _scopes_for(item: pytest.Item) -> list[kernel_policy]:
     run_scope = item.config.stash.get(_RUN_SCOPE, None)
     if run_scope is not None:
         scopes.append(run_scope)
-    # iter_markers yields the closest first: the function's own, then its class's, then its module's.
-    for mark in reversed(list(item.iter_markers(MARKER))):
+    for mark in _marks_outermost_first(item):
         try:
             scope = kernel_policy(*mark.args, **mark.kwargs)
         except (PolicyError, TypeError) as error:  # TypeError: e.g. two positional modes
@@ -155,6 +154,36 @@ def _scopes_for(item: pytest.Item) -> list[kernel_policy]:
     else:
         return scopes
     pytest.fail(problem, pytrace=False)  # outside the except: no chained traceback in the report
+
+
+def _marks_outermost_first(item: pytest.Item) -> list[pytest.Mark]:
+    """``item``'s markers of this plugin, outermost first: module, class (bases first), function.
+
+    ``iter_markers_with_node`` yields the closest node first and, per node, its markers as listed there (the
+    bottom decorator first). A class node lists those of its whole MRO, its bases' first (pytest collects
+    them with ``consider_mro``): grouped by the class that declares them, a base's enclose a subclass's, so
+    what a subclass names wins over its base, as a function's own marker wins over its class's.
+    """
+    nodes: dict[int, tuple[object, list[pytest.Mark]]] = {}
+    for node, mark in item.iter_markers_with_node(MARKER):
+        nodes.setdefault(id(node), (node, []))[1].append(mark)
+    ordered: list[pytest.Mark] = []
+    for owner, marks in reversed(nodes.values()):
+        marks.reverse()  # of stacked decorators, the top one is outermost
+        if isinstance(owner, pytest.Class):
+            mro: tuple[type, ...] = owner.obj.__mro__
+            declared = {id(m): depth for depth, cls in enumerate(reversed(mro)) for m in _own_marks(cls)}
+            marks.sort(key=lambda m: declared.get(id(m), len(mro)))  # stable: bases first; ones added to the node last
+        ordered += marks
+    return ordered
+
+
+def _own_marks(cls: type) -> list[pytest.Mark]:
+    """The markers ``cls`` itself declares (``pytestmark`` in its own ``__dict__``), as pytest stores them."""
+    found = cls.__dict__.get("pytestmark", [])
+    return [
+        m.mark if isinstance(m, pytest.MarkDecorator) else m for m in (found if isinstance(found, list) else [found])
+    ]
 
 
 @pytest.hookimpl(wrapper=True, trylast=True)

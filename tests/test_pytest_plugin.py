@@ -91,6 +91,36 @@ def test_markers_nest_module_class_function(run: Run) -> None:
     result.assert_outcomes(passed=4)
 
 
+def test_inherited_class_markers_nest_base_outermost(run: Run) -> None:
+    result = run(
+        """
+        import pytest
+        from kernelpolicy import current_policy
+
+        @pytest.mark.kernel_policy("disable")
+        class TestBase:
+            expected = "disable"
+
+            def test_policy(self):  # inherited: it runs in every subclass, under the subclass's markers
+                assert str(current_policy()) == self.expected
+
+        @pytest.mark.kernel_policy(RMSNorm="require")
+        class TestSub(TestBase):  # a subclass's markers nest inside its bases': what it names wins
+            expected = "disable,RMSNorm=require"
+
+        @pytest.mark.kernel_policy("verify")
+        @pytest.mark.kernel_policy(SiLU="disable")
+        class TestSubSub(TestSub):
+            expected = "verify,SiLU=disable"
+
+            @pytest.mark.kernel_policy(GELU="require")
+            def test_function_innermost(self):
+                assert str(current_policy()) == "verify,GELU=require,SiLU=disable"
+        """
+    )
+    result.assert_outcomes(passed=4)
+
+
 def test_fixtures_and_fixture_setup_teardown_see_the_policy(run: Run) -> None:
     result = run(
         """
