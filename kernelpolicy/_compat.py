@@ -233,6 +233,11 @@ DYNAMO_CONSTANT_MARK = "_dynamo_marked_constant"
 #: ``torch._dynamo.config``'s switch of caching precompile, read by ``_persisted`` (a torch without it has
 #: no caching precompile, so a missing name is no fault and not in :data:`INTERNALS`).
 CACHING_PRECOMPILE = "caching_precompile"
+#: ``torch._dynamo.config``'s recompile limit (per compiled frame) and its switch that makes hitting it raise
+#: (without ``fullgraph`` the frame would run uncompiled), read by ``_warmup``: the first name present (torch
+#: before 2.7 spelled them ``cache_size_limit`` and ``fail_on_cache_limit_hit``; 2.9 to 2.15 have both).
+RECOMPILE_LIMIT: Final = ("recompile_limit", "cache_size_limit")
+FAIL_ON_RECOMPILE_LIMIT: Final = ("fail_on_recompile_limit_hit", "fail_on_cache_limit_hit")
 TRACING_CONTEXT = Internal(
     "persisted programs: one policy check per layer name and traced frame (TorchDynamo's context of the trace)",
     ("torch._guards.TracingContext.try_get",),

@@ -48,7 +48,8 @@ def test_warmup_past_the_recompile_limit_names_policies_and_remedy() -> None:
         kp.warmup(compiled, torch.zeros(1), policies=["require", "KpA=disable", "KpB=disable"])
     message = str(info.value)
     assert "recompile_limit = 2" in message and "['require', 'prefer,KpA=disable']" in message
-    assert "raise torch._dynamo.config.recompile_limit" in message
+    assert "These 3 policies need 3 programs of one compiled frame" in message
+    assert "set torch._dynamo.config.recompile_limit = 3 (or more) before warmup" in message
 
 
 def test_warmup_rejects_bad_policy_text_before_compiling() -> None:
@@ -56,3 +57,23 @@ def test_warmup_rejects_bad_policy_text_before_compiling() -> None:
     with pytest.raises(kp.PolicyError, match="warmup policy='fast'"):
         kp.warmup(compiled, torch.zeros(1), policies=["prefer", "fast"])
     assert backend.compiles == 0
+
+
+def test_warmup_without_fullgraph_raises_at_the_recompile_limit_with_the_limit_it_needs() -> None:
+    """Without fullgraph TorchDynamo would run the frame uncompiled past its limit, silently: warm-up raises."""
+    compiled = torch.compile(three_kernel_layers(), backend=(backend := CountingBackend()))
+    policies = ["disable", "require", "KpA=disable", "KpB=disable"]  # four programs
+    with torch._dynamo.config.patch(recompile_limit=2), pytest.raises(RuntimeError) as info:
+        kp.warmup(compiled, torch.zeros(1), policies=policies)
+    message = str(info.value)
+    assert message.startswith("kernelpolicy.warmup: compiling for policy 'prefer,KpA=disable' hit TorchDynamo's")
+    assert "torch._dynamo.config.recompile_limit = 2" in message
+    assert "These 4 policies need 4 programs of one compiled frame" in message
+    assert "set torch._dynamo.config.recompile_limit = 4 (or more) before warmup" in message
+    assert backend.compiles == 4  # counted under a raised limit: the programs are compiled
+    with torch._dynamo.config.patch(recompile_limit=4):  # the fix: every policy finds its program
+        report = kp.warmup(compiled, torch.zeros(1), policies=policies)
+    assert [n for _, n in report.compiles] == [0, 0, 0, 0] and backend.compiles == 4
+    for text in policies:
+        with kp.kernel_policy(kp.Policy.parse(text)):
+            assert compiled(torch.zeros(1)).item() == _expected(kp.Policy.parse(text))
