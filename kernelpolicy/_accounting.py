@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import threading
+import weakref
 from typing import TYPE_CHECKING, final
 
 from ._active import RECORDERS
@@ -28,45 +29,94 @@ from ._text import table
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
+    from torch import nn
+
 __all__ = ["CallCounts", "record_calls"]
 
 
 @final
 class CallCounts:
-    """Counts recorded by :func:`record_calls`, keyed by (module, layer name, path, reason, raised).
+    """Counts recorded by :func:`record_calls`, per module object, layer name, path, reason and raised.
 
-    ``raised`` is the class name of the exception the call raised, or ``""``.
+    ``raised`` is the class name of the exception the call raised, or ``""``. Calls are counted per module
+    object and named when reported: relative to ``root`` where a method takes one (``by_module(model)``:
+    ``"blocks.0.norm"``), else by the name the module got when it was attached; two modules attached under
+    the same name (two models attached separately, then composed) are told apart there as ``norm``,
+    ``norm#2``. :func:`~kernelpolicy.explain` looks its rows' calls up by module, wherever the model is
+    nested.
     """
 
-    __slots__ = ("_counts", "_lock")
+    __slots__ = ("_counts", "_lock", "_modules", "_slots")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._counts: collections.Counter[tuple[str, str, str, str, str]] = collections.Counter()
+        self._counts: collections.Counter[tuple[int, str, str, str, str]] = collections.Counter()
+        self._modules: list[tuple[weakref.ref[nn.Module], str]] = []  # per slot: the module, its attached name
+        self._slots: dict[int, int] = {}  # id(module) -> slot
 
-    def add(self, module: str | None, layer_name: str, path: str, reason: str, raised: str = "") -> None:
+    def add(
+        self, module: nn.Module, module_name: str | None, layer_name: str, path: str, reason: str, raised: str = ""
+    ) -> None:
         with self._lock:
-            self._counts[(module or "", layer_name, path, reason, raised)] += 1
+            slot = self._slots.get(id(module))
+            if slot is None or self._modules[slot][0]() is not module:  # new, or another object at that address
+                slot = self._slots[id(module)] = len(self._modules)
+                self._modules.append((weakref.ref(module), module_name or ""))
+            self._counts[(slot, layer_name, path, reason, raised)] += 1
 
-    def by_layer(self) -> dict[str, dict[str, int]]:
-        """``{layer_name: {path: calls}}``, e.g. ``{"RMSNorm": {"kernel": 5}}``."""
-        return self._by(1)
+    def for_module(self, module: nn.Module) -> dict[str, int]:
+        """``{path: calls}`` of this module object (``{}`` if none was recorded)."""
+        result: dict[str, int] = {}
+        with self._lock:
+            slot = self._slots.get(id(module))
+            if slot is None or self._modules[slot][0]() is not module:
+                return result
+            for (found, _, path, _, _), calls in self._counts.items():
+                if found == slot:
+                    result[path] = result.get(path, 0) + calls
+        return result
 
-    def by_module(self) -> dict[str, dict[str, int]]:
-        """``{module path: {path: calls}}``."""
-        return self._by(0)
+    def by_layer(self, root: nn.Module | None = None) -> dict[str, dict[str, int]]:
+        """``{layer_name: {path: calls}}``, e.g. ``{"RMSNorm": {"kernel": 5}}`` (with ``root``: its modules' only)."""
+        return self._by(1, root)
 
-    def _by(self, field: int) -> dict[str, dict[str, int]]:
+    def by_module(self, root: nn.Module | None = None) -> dict[str, dict[str, int]]:
+        """``{module name: {path: calls}}``: names relative to ``root`` (its modules only), else as attached."""
+        return self._by(0, root)
+
+    def _by(self, field: int, root: nn.Module | None) -> dict[str, dict[str, int]]:
         result: dict[str, dict[str, int]] = {}
-        for key, calls in self.items():
+        for key, calls in self.items(root):
             paths = result.setdefault(key[field], {})
             paths[key[2]] = paths.get(key[2], 0) + calls
         return result
 
-    def items(self) -> list[tuple[tuple[str, str, str, str, str], int]]:
-        """Every ((module, layer name, path, reason, raised), calls), sorted."""
+    def items(self, root: nn.Module | None = None) -> list[tuple[tuple[str, str, str, str, str], int]]:
+        """Every ((module name, layer name, path, reason, raised), calls), sorted; module names as in :meth:`by_module`."""
         with self._lock:
-            return sorted(self._counts.items())
+            counts = list(self._counts.items())
+            modules = list(self._modules)
+        names = self._names(modules, root)
+        return sorted(((names[slot], *rest), calls) for (slot, *rest), calls in counts if slot in names)  # type: ignore[misc]
+
+    @staticmethod
+    def _names(modules: list[tuple[weakref.ref[nn.Module], str]], root: nn.Module | None) -> dict[int, str]:
+        """Slot -> the name its module is reported under (slots of modules outside ``root`` left out)."""
+        if root is not None:
+            from ._attach import kernel_modules
+
+            under = {id(module): name for name, module in kernel_modules(root)}
+            return {
+                slot: under[id(m)]
+                for slot, (ref, _) in enumerate(modules)
+                if (m := ref()) is not None and id(m) in under
+            }
+        names: dict[int, str] = {}
+        seen: collections.Counter[str] = collections.Counter()
+        for slot, (_, name) in enumerate(modules):
+            seen[name] += 1
+            names[slot] = name if seen[name] == 1 else f"{name}#{seen[name]}"
+        return names
 
     def total(self, layer_name: str | None = None, path: str | None = None, *, raised: bool | None = None) -> int:
         """Calls recorded, optionally only for one layer name, one path, and those that raised (or did not)."""

@@ -529,7 +529,7 @@ class Binding:
     def _record(self, recorders: tuple[Any, ...], path: Path, reason: str, error: BaseException | None = None) -> None:
         raised = "" if error is None else type(error).__name__
         for recorder in recorders:
-            recorder.add(self.module_name, self.layer_name, path, reason, raised)
+            recorder.add(self.module, self.module_name, self.layer_name, path, reason, raised)
 
     def verify(
         self,

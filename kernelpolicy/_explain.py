@@ -241,11 +241,10 @@ def explain(
     """
     policy = current_policy()
     state = execution_state()
-    recorded = calls.by_module() if calls is not None else None
     entries = [*_marked(model), *(entry for source in ROW_SOURCES for entry in source(model))]
-    observed = _observe(model, example_args, example_kwargs, entries) if example_args or example_kwargs else None
+    observed = _observe(model, example_args, example_kwargs) if example_args or example_kwargs else None
     rows = tuple(
-        _row(name, found, policy.entry_for(found.layer_name), state, recorded, observed) for name, found in entries
+        _row(name, found, policy.entry_for(found.layer_name), state, calls, observed) for name, found in entries
     )
     present = {row.layer_name for row in rows}
     unmatched = tuple(f"{name}={mode}" for name, mode in sorted(policy.layers.items()) if name not in present)
@@ -274,13 +273,15 @@ def _marked(model: nn.Module) -> Iterator[tuple[str, Binding | Ungoverned]]:
 
 
 class _FirstCalls:
-    """A recorder (as ``record_calls`` installs them) that keeps each module's first path and reason."""
+    """A recorder (as ``record_calls`` installs them) that keeps each module's first path and reason, by identity."""
 
     def __init__(self) -> None:
-        self.first: dict[str | None, tuple[Path, str]] = {}
+        self.first: dict[int, tuple[Path, str]] = {}
 
-    def add(self, module: str | None, layer_name: str, path: Path, reason: str, raised: str = "") -> None:
-        self.first.setdefault(module, (path, reason))
+    def add(
+        self, module: nn.Module, module_name: str | None, layer_name: str, path: Path, reason: str, raised: str = ""
+    ) -> None:
+        self.first.setdefault(id(module), (path, reason))
 
 
 NOT_REACHED = "not called by these inputs"
@@ -290,17 +291,15 @@ def _observe(
     model: nn.Module,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
-    entries: list[tuple[str, Binding | Ungoverned]],
-) -> dict[str, tuple[Path, str]]:
-    """Row name -> the path and reason of that module's first call in ``model(*args, **kwargs)``."""
+) -> dict[int, tuple[Path, str]]:
+    """``id(module)`` -> the path and reason of that module's first call in ``model(*args, **kwargs)``."""
     recorder = _FirstCalls()
     try:
         with torch.no_grad(), _recording_scope(None, recording=True, recorders=(recorder,)):
             model(*args, **kwargs)
     except KernelUnavailableError:
         pass  # recorded as that layer's "error"; the layers after it were not reached
-    names = {found.module_name: name for name, found in entries if isinstance(found, Binding)}
-    return {names.get(module, module or ""): first for module, first in recorder.first.items()}
+    return recorder.first
 
 
 def _row(
@@ -308,8 +307,8 @@ def _row(
     found: Binding | Ungoverned,
     mode: str,
     state: ExecutionState,
-    recorded: dict[str, dict[str, int]] | None,
-    observed: dict[str, tuple[Path, str]] | None = None,
+    recorded: CallCounts | None,
+    observed: dict[int, tuple[Path, str]] | None = None,
 ) -> LayerRow:
     if isinstance(found, Ungoverned):
         return LayerRow(
@@ -325,7 +324,7 @@ def _row(
             policy_aware=False,
         )
     if observed is not None:
-        path, reason = observed.get(name, (found.decide(mode, state)[0], NOT_REACHED))
+        path, reason = observed.get(id(found.module), (found.decide(mode, state)[0], NOT_REACHED))
     else:
         path, reason = _on_dtensor(found, mode, *found.decide(mode, state))
         rule = RULES.get(found.layer_name)
@@ -344,7 +343,7 @@ def _row(
         path=path,
         reason=reason,
         policy_aware=True,
-        calls=None if recorded is None else recorded.get(name, {}),
+        calls=None if recorded is None else recorded.for_module(found.module),
     )
 
 

@@ -7,6 +7,7 @@ from typing import Any
 
 import kernels
 import torch
+from torch import nn
 
 import kernelpolicy as kp
 from kernelpolicy.testing import DemoModel
@@ -50,3 +51,50 @@ def test_known_layers_and_unmatched_policy_entries(kernelized: Callable[..., Dem
     assert "RMSnorm" not in kp.introspect.known_layers()
     assert str(explanation).splitlines()[-1] == "policy entries naming no kernel layer of this model: RMSnorm=disable"
     assert kp.explain(model).unmatched == ()
+
+
+class _Composed(nn.Module):
+    """Two models attached separately (each names its modules from itself), composed: ``b(a(x))``."""
+
+    def __init__(self, a: nn.Module, b: nn.Module) -> None:
+        super().__init__()
+        self.a, self.b = a, b
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.b(self.a(x))
+        return out
+
+
+def test_calls_are_named_relative_to_the_module_asked_about(kernelized: Callable[..., DemoModel]) -> None:
+    model = kernelized("exact")
+    x = torch.randn(2, 16)
+    with kp.record_calls() as calls:
+        model(x)
+    once = {"kernel": 1}
+    assert {row.name: row.calls for row in kp.explain(model.blocks[0], calls=calls)} == {"1": once}
+    wrapped = nn.Sequential(model)  # as wrappers nest a model
+    assert {row.name: row.calls for row in kp.explain(wrapped, calls=calls)} == {
+        "0.blocks.0.1": once,
+        "0.blocks.1.1": once,
+        "0.norm": once,
+    }
+    assert calls.by_module(model.blocks[1]) == {"1": once}
+    assert calls.by_module(wrapped) == {"0.blocks.0.1": once, "0.blocks.1.1": once, "0.norm": once}
+
+
+def test_two_models_attached_separately_then_composed(kernelized: Callable[..., DemoModel]) -> None:
+    parent = _Composed(kernelized("exact"), kp.attach(DemoModel(16).eval()))  # b has no kernel bound
+    x = torch.randn(2, 16)
+    with kp.kernel_policy("require"):
+        rows = {row.name: (row.path, row.reason) for row in kp.explain(parent, x)}
+    assert rows["a.norm"] == ("kernel", "kernel usable")
+    assert rows["b.blocks.0.1"] == ("error", "no kernel bound")  # the call that raised
+    assert rows["b.norm"] == ("error", "not called by these inputs")
+    with kp.record_calls() as calls:
+        parent(x)
+    assert calls.by_module(parent)["a.norm"] == {"kernel": 1}
+    assert calls.by_module(parent)["b.norm"] == {"original": 1}
+    assert calls.by_module()["norm"] == {"kernel": 1}  # as attached: each model named its own "norm"
+    assert calls.by_module()["norm#2"] == {"original": 1}  # told apart, not merged
+    explained = {row.name: row.calls for row in kp.explain(parent, calls=calls)}
+    assert explained["a.norm"] == {"kernel": 1} and explained["b.norm"] == {"original": 1}
