@@ -11,11 +11,12 @@ serves several policies. This module makes the set explicit:
   packages;
 - :func:`compile_per_policy` compiles it once under each policy with ``torch.compile(...).aot_compile``
   (Inductor's code, loaded warm: no tracing or compiling in the process that loads it);
-- both save the programs with a manifest of their policies (:data:`MANIFEST`); :func:`load_per_policy`
-  loads them in any process;
-- the :class:`PolicyPrograms` they return calls, at each call, the program of the policy in effect, and
-  refuses a policy it has no program for with :class:`NoProgramError`, which names the policy in effect and
-  the ones it has.
+- both save the programs with a manifest of their policies (:data:`MANIFEST`), atomically, and
+  :func:`load_per_policy` checks it and loads them in any process (``_manifest``: the folder's format);
+- the :class:`PolicyPrograms` they return calls, at each call, the program of the policy in effect, or of a
+  policy that takes the same path on each of the model's kernel layers (:func:`model_layers` records them),
+  and refuses a policy it has no program for with :class:`NoProgramError`, which names the policy in effect,
+  the ones it has and the first layer where the paths differ.
 
 >>> import tempfile, torch, kernelpolicy
 >>> from kernelpolicy.artifacts import export_per_policy, load_per_policy
@@ -33,25 +34,31 @@ tensor([0.5000, 0.5000])
 ...     programs(torch.ones(2))
 Traceback (most recent call last):
 ...
-kernelpolicy.artifacts.NoProgramError: kernelpolicy: no exported program for the policy in effect 'require'; ... exported under 'prefer', 'disable'. ...
+kernelpolicy.artifacts.NoProgramError: kernelpolicy: no exported program for the policy in effect 'require'; ... exported under 'prefer', 'disable', which take other paths on the model's kernel layers ('0': error here, original under 'prefer'; ...
 """
 
 from __future__ import annotations
 
 import functools
-import json
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, Literal
 
-from ._active import current_policy
+from ._active import current_policy, layer_facts
+from ._binding import Binding
 from ._errors import ArtifactPolicyError
-from ._policy import Policy
+from ._explain import ROW_SOURCES, _marked
+from ._manifest import FORMAT, MANIFEST, SUFFIX, Layer, read_manifest, write_folder
+from ._policy import DEFAULT_VARIANT, MODES, VARIANTS, Policy, variant_names
+from ._rules import RULES, VARIANT_RULES
 from ._scope import kernel_policy
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Mapping
 
     from torch import nn
+
+    from ._state import ExecutionState
 
 __all__ = [
     "MANIFEST",
@@ -63,12 +70,10 @@ __all__ = [
     "load_per_policy",
 ]
 
-#: The manifest :func:`export_per_policy` and :func:`compile_per_policy` write beside the programs.
-MANIFEST: Final = "kernelpolicy-programs.json"
-_FORMAT: Final = 2
 #: What a manifest's ``kind`` says the programs are, and how each is saved.
 Kind = Literal["export", "aoti", "aot_compile"]
-_SUFFIX: Final[dict[str, str]] = {"export": ".pt2", "aoti": ".pt2", "aot_compile": ".bin"}
+#: Kinds whose programs are compiled code for one torch build: loading them under another torch is refused.
+_COMPILED: Final = ("aoti", "aot_compile")
 
 
 class NoProgramError(LookupError):
@@ -76,30 +81,87 @@ class NoProgramError(LookupError):
 
 
 class PolicyPrograms:
-    """Programs by policy: calling it runs the program of the policy in effect (see the module docstring)."""
+    """Programs by policy: calling it runs the program of the policy in effect (see the module docstring).
 
-    def __init__(self, programs: Mapping[Policy, Callable[..., Any]], where: str = "", kind: str = "export") -> None:
+    ``layers``: the model's kernel layers by module name (:func:`model_layers`), from which a policy's path
+    on the model is known; a policy that takes the same path as a program's policy on each of them runs that
+    program. None: only the programs' own policies are served.
+    """
+
+    def __init__(
+        self,
+        programs: Mapping[Policy, Callable[..., Any]],
+        where: str = "",
+        kind: str = "export",
+        layers: Mapping[str, Layer] | None = None,
+    ) -> None:
         self.programs = dict(programs)
         self.where = where
         self.kind = kind
+        self.layers = None if layers is None else dict(layers)
+        self._chosen: dict[Policy, Callable[..., Any] | None] = {}
 
     @property
     def policies(self) -> tuple[Policy, ...]:
         return tuple(self.programs)
 
+    def path_of(self, policy: Policy) -> tuple[tuple[str, str], ...] | None:
+        """What identifies ``policy``'s program on the model: each kernel layer's path (``aot_compile``: the facts
+        a compiled program's policy check compares, see ``_persisted``); None without the model's layers.
+
+        A layer whose path depends on a call's arguments (a rule, a kernel without backward) is identified by
+        its policy entry, so only policies with the same entry share its program.
+        """
+        if self.layers is None:
+            return None
+        if self.kind == "aot_compile":
+            names = sorted({layer.layer_name for layer in self.layers.values()})
+            return tuple((name, repr(layer_facts(policy, name)[1:])) for name in names)
+        found = []
+        for module, layer in sorted(self.layers.items()):
+            entry = policy.entry_for(layer.layer_name)
+            path = _entry_path(layer.paths, entry)
+            found.append((module, f"{entry!r} (a path that depends on each call)" if path is None else path))
+        return tuple(found)
+
+    def program_for(self, policy: Policy) -> Callable[..., Any] | None:
+        """The program that runs ``policy``'s path on the model, or None."""
+        program = self.programs.get(policy)
+        if program is not None:
+            return program
+        if policy not in self._chosen:
+            path = self.path_of(policy)
+            same = [p for stored, p in self.programs.items() if path is not None and self.path_of(stored) == path]
+            self._chosen[policy] = same[0] if same else None
+        return self._chosen[policy]
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         policy = current_policy()
-        program = self.programs.get(policy)
+        program = self.program_for(policy)
         if program is None:
             listed = ", ".join(repr(str(p)) for p in self.programs)
             made = "compiled" if self.kind == "aot_compile" else "exported"
             raise NoProgramError(
                 f"kernelpolicy: no {made} program for the policy in effect {str(policy)!r}; the programs"
-                f"{' in ' + self.where if self.where else ''} were {made} under {listed}. A traced program runs "
-                f"the path of its trace's policy whatever the caller's, so this call is refused: make one for "
-                f"this policy too ({'compile' if made == 'compiled' else 'export'}_per_policy(..., policies=[...]))"
+                f"{' in ' + self.where if self.where else ''} were {made} under {listed}{self._differs(policy)}. "
+                f"A traced program runs the path of its trace's policy whatever the caller's, so this call is refused: "
+                f"make one for this policy too ({'compile' if made == 'compiled' else 'export'}_per_policy(..., "
+                "policies=[...]))"
             )
         return program(*args, **kwargs)
+
+    def _differs(self, policy: Policy) -> str:
+        """Where ``policy``'s path on the model leaves every program's (the first layer for each), as a clause."""
+        path = self.path_of(policy)
+        if path is None:
+            return ""
+        differ = []
+        for stored in self.programs:
+            theirs = self.path_of(stored)
+            assert theirs is not None
+            layer, mine, its = next((a[0], a[1], b[1]) for a, b in zip(path, theirs, strict=True) if a != b)
+            differ.append(f"{layer!r}: {mine} here, {its} under {str(stored)!r}")
+        return f", which take other paths on the model's kernel layers ({'; '.join(differ)})"
 
     def __repr__(self) -> str:
         return f"PolicyPrograms({[str(p) for p in self.programs]}, kind={self.kind!r})"
@@ -117,18 +179,80 @@ def _policies(policies: Iterable[Policy | str], caller: str) -> list[Policy]:
     return checked
 
 
-def _save(folder: Path, kind: Kind, programs: Mapping[Policy, Any], save: Callable[[Any, Path], object]) -> None:
-    """Save each program with ``save(program, path)``, then :data:`MANIFEST` (last: it lists only saved files)."""
+def _path(binding: Binding, entry: str, state: ExecutionState) -> str:
+    """The path of ``binding``'s calls under ``entry``: ``kernel``, ``kernel:<variant>``, ``original``, ``error``."""
+    path, _ = binding.decide(entry, state)
+    if path == "kernel" and entry.startswith(VARIANTS):
+        name = binding.choose(entry, state)[3]
+        if name is not None and name != DEFAULT_VARIANT:
+            return f"kernel:{name}"
+    return path
+
+
+def _entry_path(paths: Mapping[str, str], entry: str) -> str | None:
+    """The path under ``entry``: stored for modes and single variants; a list of variants takes the first that
+    runs its kernel (``Binding.choose``); None where unknown."""
+    if entry in paths or not entry.startswith(VARIANTS):
+        return paths.get(entry)
+    for name in variant_names(entry):
+        path = paths.get(f"{VARIANTS}{name}")
+        if path is None or path != "original":
+            return path
+    return "original"
+
+
+def model_layers(model: nn.Module, state: ExecutionState) -> dict[str, Layer]:
+    """The policy-aware kernel layers of ``model`` by module name, each with its path under every mode and under
+    each bound variant alone (as ``explain`` decides it, in ``state``: ``export`` or ``compile``).
+
+    A layer whose path depends on a call's arguments (a ``kernel_accepts`` rule, a kernel without backward)
+    gets no paths: programs are matched by its entry.
+    """
+    entries = [*_marked(model), *(entry for source in ROW_SOURCES for entry in source(model))]
+    layers: dict[str, Layer] = {}
+    for name, found in entries:
+        if not isinstance(found, Binding):
+            continue  # not policy-aware: the same path under every policy
+        layer = found.layer_name
+        kernels = [found.kernel_named(DEFAULT_VARIANT), *found.variants.values()]
+        if (
+            layer in RULES
+            or any(ruled == layer for ruled, _ in VARIANT_RULES)
+            or any(kernel is not None and not kernel.has_backward for kernel in kernels)
+        ):
+            layers[name] = Layer(layer, {})
+            continue
+        asked = [*MODES, *(f"{VARIANTS}{variant}" for variant in (DEFAULT_VARIANT, *sorted(found.variants)))]
+        layers[name] = Layer(layer, {entry: _path(found, entry, state) for entry in asked})
+    return layers
+
+
+def _save(
+    folder: Path,
+    kind: Kind,
+    programs: Mapping[Policy, Any],
+    layers: Mapping[str, Layer],
+    save: Callable[[Any, Path], object],
+) -> None:
+    """Save each program with ``save(program, path)`` and :data:`MANIFEST`, atomically (see ``_manifest``)."""
     import torch
 
-    folder.mkdir(parents=True, exist_ok=True)
-    entries = []
-    for index, (policy, program) in enumerate(programs.items()):
-        name = f"program-{index}{_SUFFIX[kind]}"
-        save(program, folder / name)
-        entries.append({"policy": str(policy), "file": name})
-    manifest = {"format": _FORMAT, "kind": kind, "torch": str(torch.__version__), "programs": entries}
-    (folder / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    def fill(new: Path) -> dict[str, Any]:
+        entries = []
+        for index, (policy, program) in enumerate(programs.items()):
+            name = f"program-{index}{SUFFIX[kind]}"
+            save(program, new / name)
+            entries.append({"policy": str(policy), "file": name})
+        described = {name: {"layer": layer.layer_name, "paths": layer.paths} for name, layer in sorted(layers.items())}
+        return {
+            "format": FORMAT,
+            "kind": kind,
+            "torch": str(torch.__version__),
+            "programs": entries,
+            "layers": described,
+        }
+
+    write_folder(folder, fill)
 
 
 def export_per_policy(
@@ -156,22 +280,29 @@ def export_per_policy(
     if package == "aoti" and directory is None:
         raise ValueError("kernelpolicy: package='aoti' writes AOTInductor packages: pass directory=")
     exported = {}
-    for policy in _policies(policies, "export_per_policy"):
+    listed = _policies(policies, "export_per_policy")
+    layers = model_layers(model, "export")
+    for policy in listed:
         with kernel_policy(policy):
             exported[policy] = torch.export.export(model, args, kwargs, strict=strict)
     if directory is not None:
         folder = Path(directory)
         if package == "aoti":  # the packages exist only on disk: compiled there, loaded from there
             aoti = torch._inductor.aoti_compile_and_package
-            _save(folder, package, exported, lambda program, path: aoti(program, package_path=str(path)))
+            _save(folder, package, exported, layers, lambda program, path: aoti(program, package_path=str(path)))
             return load_per_policy(folder)
-        _save(folder, package, exported, torch.export.save)
-    return PolicyPrograms({policy: program.module() for policy, program in exported.items()}, str(directory or ""))
+        _save(folder, package, exported, layers, torch.export.save)
+    programs = {policy: program.module() for policy, program in exported.items()}
+    return PolicyPrograms(programs, str(directory or ""), layers=layers)
 
 
 def _call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """What :func:`compile_per_policy` compiles: a call of the module (passed in, so nothing is closed over)."""
     return module(*args, **kwargs)
+
+
+def _save_compiled(program: Any, path: Path) -> None:
+    program.save_compiled_function(str(path))
 
 
 def compile_per_policy(
@@ -199,15 +330,15 @@ def compile_per_policy(
     if not hasattr(compiler, "aot_compile"):
         raise NotImplementedError(f"kernelpolicy: torch {torch.__version__} has no torch.compile(...).aot_compile")
     compiled = {}
-    for policy in _policies(policies, "compile_per_policy"):
+    listed = _policies(policies, "compile_per_policy")
+    layers = model_layers(model, "compile")
+    for policy in listed:
         with kernel_policy(policy):
             compiled[policy] = compiler.aot_compile(((model, *args), kwargs or {}))
     if directory is not None:
-        _save(Path(directory), "aot_compile", compiled, lambda program, path: program.save_compiled_function(str(path)))
-    where = str(directory or "")
-    return PolicyPrograms(
-        {policy: functools.partial(program, model) for policy, program in compiled.items()}, where, "aot_compile"
-    )
+        _save(Path(directory), "aot_compile", compiled, layers, _save_compiled)
+    programs = {policy: functools.partial(program, model) for policy, program in compiled.items()}
+    return PolicyPrograms(programs, str(directory or ""), "aot_compile", layers)
 
 
 def load_per_policy(directory: str | Path, *, model: nn.Module | None = None) -> PolicyPrograms:
@@ -220,18 +351,9 @@ def load_per_policy(directory: str | Path, *, model: nn.Module | None = None) ->
     import torch._inductor
 
     folder = Path(directory)
-    try:
-        manifest = json.loads((folder / MANIFEST).read_text())
-    except FileNotFoundError:
-        raise FileNotFoundError(
-            f"kernelpolicy: {folder} has no {MANIFEST}; save programs with kernelpolicy.artifacts.export_per_policy "
-            "or compile_per_policy"
-        ) from None
-    if manifest.get("format") not in (1, _FORMAT):
-        raise ValueError(f"kernelpolicy: {folder / MANIFEST} has format {manifest.get('format')!r}, not {_FORMAT}")
-    kind = manifest.get("kind", "export")
-    if kind not in _SUFFIX:
-        raise ValueError(f"kernelpolicy: {folder / MANIFEST} has kind {kind!r}, not one of {sorted(_SUFFIX)}")
+    manifest = read_manifest(folder)
+    kind = manifest.kind
+    _check_torch(folder, kind, manifest.torch, str(torch.__version__))
     if kind == "aot_compile" and model is None:
         raise TypeError(
             f"kernelpolicy: the programs in {folder} were compiled with compile_per_policy and run a model: "
@@ -248,8 +370,24 @@ def load_per_policy(directory: str | Path, *, model: nn.Module | None = None) ->
                 return functools.partial(torch_compiler.load_compiled_function(file), model)
         return torch.export.load(path).module()
 
-    source = str(folder / MANIFEST)
-    programs = {
-        Policy.parse(entry["policy"], source=source): load(folder / entry["file"]) for entry in manifest["programs"]
-    }
-    return PolicyPrograms(programs, str(folder), kind)
+    programs = {policy: load(path) for policy, path in manifest.programs.items()}
+    return PolicyPrograms(programs, str(folder), kind, manifest.layers)
+
+
+def _check_torch(folder: Path, kind: str, saved: str, running: str) -> None:
+    """Refuse compiled programs of another torch release; warn for ``torch.export`` programs (see the docs)."""
+    if saved == running:
+        return
+    if kind in _COMPILED:
+        raise RuntimeError(
+            f"kernelpolicy: the programs in {folder} ({MANIFEST}: kind {kind!r}) were compiled by torch {saved}, and "
+            f"this is torch {running}: compiled code is built against one torch release and is not portable to "
+            "another. Compile them again under this torch (compile_per_policy / export_per_policy(package='aoti'))"
+        )
+    warnings.warn(
+        f"kernelpolicy: the programs in {folder} were exported by torch {saved}, and this is torch {running}: "
+        "torch.export does not promise that a .pt2 program runs alike on another release (torch.export.load "
+        "refuses only an unreadable schema). Export them again under this torch to be sure",
+        UserWarning,
+        stacklevel=3,
+    )
