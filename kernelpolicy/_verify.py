@@ -11,10 +11,15 @@ like ``prefer``):
    ``torch.no_grad()`` and inside ``torch.random.fork_rng`` (so the kernel
    sees the random state it would have seen without ``verify``);
 2. the kernel runs on the real arguments, exactly as under ``prefer``;
-3. the outputs are compared: same structure (tensors, tuples, lists, dicts,
-   other values by ``==``), same shapes and dtypes, and
-   ``|kernel - original| <= atol + rtol * |original|`` elementwise (NaN equal
-   to NaN).
+3. the outputs are compared: same structure (tensors, tuples, lists, dicts
+   by key, other values by ``==``), same shapes and dtypes, and
+   ``|kernel - original| <= atol + rtol * |original|`` elementwise, integers
+   included (NaN equal to NaN; NaN or an infinity against a finite number is
+   a mismatch with an infinite error);
+4. then the tensor arguments each run left (``args[1]``, ``kwargs['out']``):
+   a kernel that writes its result into an ``out=`` tensor, or works in place
+   on an input, is compared on what it wrote. The caller's arguments hold
+   what the kernel wrote, as under ``prefer``.
 
 Module buffers (running statistics and the like, of the module and its
 children) are saved before step 1 and restored after it, so both runs start
@@ -148,26 +153,7 @@ def compare(kernel: Any, original: Any, *, rtol: Tolerance, atol: Tolerance, whe
                 where,
                 f"kernel returned {tuple(kernel.shape)} {kernel.dtype}, original {tuple(original.shape)} {original.dtype}",
             )
-        r, a = tolerances(original.dtype, rtol, atol)
-        k, o = kernel.detach(), original.detach()
-        if o.dtype.is_floating_point or o.dtype.is_complex:
-            close = torch.isclose(k, o, rtol=r, atol=a, equal_nan=True)
-        else:
-            close = k == o
-        if bool(close.all()):
-            return None
-        diff = (k.to(torch.float64) - o.to(torch.float64)).abs() if not o.is_complex() else (k - o).abs().double()
-        scale = o.abs().to(torch.float64)
-        rel = diff / scale.clamp_min(torch.finfo(torch.float64).tiny)
-        finite = torch.isfinite(diff)
-        first = tuple(int(i) for i in (~close).nonzero()[0].tolist())
-        return Mismatch(
-            where,
-            f"{int((~close).sum())} of {close.numel()} elements differ beyond rtol={r}, atol={a}",
-            max_abs=float(diff[finite].max()) if bool(finite.any()) else float("inf"),
-            max_rel=float(rel[finite].max()) if bool(finite.any()) else float("inf"),
-            index=first,
-        )
+        return _compare_tensors(kernel.detach(), original.detach(), rtol=rtol, atol=atol, where=where)
     if isinstance(original, (tuple, list)):
         if not isinstance(kernel, (tuple, list)) or len(kernel) != len(original):
             return Mismatch(where, f"kernel returned {_describe(kernel)}, original {_describe(original)}")
@@ -179,7 +165,7 @@ def compare(kernel: Any, original: Any, *, rtol: Tolerance, atol: Tolerance, whe
                 return found
         return None
     if isinstance(original, Mapping):
-        if not isinstance(kernel, Mapping) or list(kernel.keys()) != list(original.keys()):
+        if not isinstance(kernel, Mapping) or set(kernel.keys()) != set(original.keys()):  # in any order
             return Mismatch(where, f"kernel returned {_describe(kernel)}, original {_describe(original)}")
         for key in original:
             found = compare(kernel[key], original[key], rtol=rtol, atol=atol, where=f"{where}[{key!r}]")
@@ -213,6 +199,39 @@ def compare(kernel: Any, original: Any, *, rtol: Tolerance, atol: Tolerance, whe
     return None
 
 
+def _compare_tensors(
+    k: torch.Tensor, o: torch.Tensor, *, rtol: Tolerance, atol: Tolerance, where: str
+) -> Mismatch | None:
+    """Two tensors of one shape and dtype: ``|k - o| <= atol + rtol * |o|`` elementwise (see the module docstring)."""
+    r, a = tolerances(o.dtype, rtol, atol)
+    if o.dtype.is_floating_point or o.dtype.is_complex:
+        close = torch.isclose(k, o, rtol=r, atol=a, equal_nan=True)
+        diff = (k.to(torch.float64) - o.to(torch.float64)).abs() if not o.is_complex() else (k - o).abs().double()
+    elif o.dtype == torch.bool:
+        close = k == o
+        diff = (k != o).to(torch.float64)
+    else:  # integers: the difference in exact integer arithmetic, the tolerance as given (exact by default)
+        diff = (k.to(torch.int64) - o.to(torch.int64)).abs().to(torch.float64)
+        close = diff <= a + r * o.to(torch.int64).abs().to(torch.float64)
+    if bool(close.all()):
+        return None
+    scale = o.abs().to(torch.float64) if o.dtype != torch.bool else torch.ones_like(diff)
+    rel = torch.where(scale > 0, diff / scale, torch.where(diff > 0, float("inf"), 0.0))  # against 0: infinite
+    finite = torch.isfinite(diff)
+    nonfinite = int((~close & ~finite).sum())  # NaN or an infinity against a finite number, or inf against -inf
+    detail = f"{int((~close).sum())} of {close.numel()} elements differ beyond rtol={r}, atol={a}"
+    if nonfinite:
+        detail += f" ({nonfinite} of them NaN or infinite where the other is not, or infinities of opposite signs)"
+    some = bool(finite.any())
+    return Mismatch(
+        where,
+        detail,
+        max_abs=float("inf") if nonfinite or not some else float(diff[finite].max()),
+        max_rel=float("inf") if nonfinite or not some else float(rel[finite].max()),
+        index=tuple(int(i) for i in (~close).nonzero()[0].tolist()),
+    )
+
+
 def _describe(value: Any) -> str:
     if dataclasses.is_dataclass(value) and not isinstance(value, type) and not isinstance(value, Mapping):
         return f"{type(value).__name__} (a dataclass)"
@@ -241,9 +260,10 @@ def run_and_compare(
     """
     devices = sorted({t.device.index or 0 for t in tensors_in((args, kwargs)) if t.is_cuda})
     buffers = BufferState(module)
+    reference_args, reference_kwargs = clone_tensors(args), clone_tensors(kwargs)
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=devices):
-            expected = reference(module, *clone_tensors(args), **clone_tensors(kwargs))
+            expected = reference(module, *reference_args, **reference_kwargs)
         expected_buffers = clone_tensors(buffers.current()) if buffers else {}
     finally:
         buffers.restore()
@@ -251,4 +271,34 @@ def run_and_compare(
     mismatch = compare(out, expected, rtol=rtol, atol=atol)
     if mismatch is None and buffers:
         mismatch = compare(buffers.current(), expected_buffers, rtol=rtol, atol=atol, where="buffers")
+    if mismatch is None:
+        mismatch = _arguments_left(args, kwargs, reference_args, reference_kwargs, rtol=rtol, atol=atol)
     return out, mismatch
+
+
+def _arguments_left(
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    reference_args: tuple[Any, ...],
+    reference_kwargs: dict[str, Any],
+    *,
+    rtol: Tolerance,
+    atol: Tolerance,
+) -> Mismatch | None:
+    """The first mismatch in the tensors each run left in its arguments (``out=``, in place), or None.
+
+    Only tensors are compared (inside tuples, lists and dicts): other arguments were not cloned, both runs
+    saw the same objects.
+    """
+    pairs = [(f"args[{i}]", a, r) for i, (a, r) in enumerate(zip(args, reference_args, strict=True))]
+    pairs += [(f"kwargs[{key!r}]", kwargs[key], reference_kwargs[key]) for key in kwargs]
+    for where, left, expected in pairs:
+        tested, reference = tensors_in(left), tensors_in(expected)
+        if len(tested) != len(reference):
+            return Mismatch(where, f"the kernel left {len(tested)} tensors in it, the reference {len(reference)}")
+        for position, (k, o) in enumerate(zip(tested, reference, strict=True)):
+            at = where if len(tested) == 1 and isinstance(left, torch.Tensor) else f"{where} (tensor {position})"
+            found = compare(k, o, rtol=rtol, atol=atol, where=f"{at} as the call left it")
+            if found is not None:
+                return found
+    return None

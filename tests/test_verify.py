@@ -147,11 +147,14 @@ def test_in_place_kernel_cannot_alter_what_the_original_sees(with_repo: Callable
     x = torch.randn(2, 16, generator=torch.Generator().manual_seed(6)) * 3
     with kp.kernels_disabled():
         reference = norm(x.clone())
-    with kp.kernel_policy("verify"):
+    with kp.kernel_policy("verify", on_mismatch="warn"):
         y = x.clone()
         out = norm(y)  # the original ran on a clone before the kernel changed y in place
     torch.testing.assert_close(out, reference)
     assert out.data_ptr() == y.data_ptr(), "the kernel's in-place effect is kept, as under prefer"
+    with kp.kernel_policy("verify"), pytest.raises(kp.KernelMismatchError) as info:
+        norm(x.clone())  # the original leaves its argument as it was, the kernel does not (issue 35, finding 7)
+    assert info.value.where == "args[0] as the call left it"
 
 
 class _Structured(nn.Module):
@@ -383,3 +386,92 @@ def test_buffers_updated_differently_by_the_kernel_are_a_mismatch() -> None:
     assert info.value.index == (1,)
     assert info.value.max_abs == pytest.approx(0.1)
     torch.testing.assert_close(layer.running_mean, torch.tensor([1.0, 0.4, 0.4]))  # the kernel's update, once
+
+
+# --- issue 35, findings 7 and 10: what a kernel writes into its arguments; the numbers of a mismatch --------------
+
+
+class _Writes(nn.Module):
+    """Writes ``2 * x`` into ``out`` and returns None (the original); kernels below write other things."""
+
+    kernel_layer_name = "Writes"
+
+    def forward(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        torch.mul(x, 2, out=out)
+
+
+def _writes(kernel: Callable[[nn.Module, torch.Tensor, torch.Tensor], None]) -> nn.Module:
+    layer = _Writes()
+    layer.forward = types.MethodType(kernel, layer)  # type: ignore[method-assign]  # as kernels binds
+    return kp.attach(layer)
+
+
+def test_verify_compares_what_the_kernel_writes_into_its_arguments() -> None:
+    def triples(self: nn.Module, x: torch.Tensor, out: torch.Tensor) -> None:
+        torch.mul(x, 3, out=out)
+
+    def scales_its_input(self: nn.Module, x: torch.Tensor, out: torch.Tensor) -> None:
+        torch.mul(x, 2, out=out)
+        x.mul_(2)
+
+    def doubles(self: nn.Module, x: torch.Tensor, out: torch.Tensor) -> None:
+        torch.mul(x, 2, out=out)
+
+    x = torch.arange(4.0)
+    for kernel, call, where in (
+        (triples, lambda layer, x, out: layer(x, out), "args[1] as the call left it"),
+        (triples, lambda layer, x, out: layer(x, out=out), "kwargs['out'] as the call left it"),
+        (scales_its_input, lambda layer, x, out: layer(x, out), "args[0] as the call left it"),
+    ):
+        layer, out = _writes(kernel), torch.zeros(4)
+        with kp.kernel_policy("verify"), pytest.raises(kp.KernelMismatchError) as info:
+            call(layer, x.clone(), out)
+        assert info.value.where == where
+        assert info.value.max_abs == pytest.approx(3.0)
+    layer, out, y = _writes(triples), torch.zeros(4), x.clone()
+    with kp.kernel_policy("verify", on_mismatch="warn"):
+        assert layer(y, out=out) is None
+    torch.testing.assert_close(out, 3 * x)  # the caller gets what the kernel wrote, as under prefer
+    layer, out, y = _writes(doubles), torch.zeros(4), x.clone()
+    with kp.kernel_policy("verify"):
+        layer(y, out)
+    torch.testing.assert_close(out, 2 * x)
+    torch.testing.assert_close(y, x)
+
+
+class _Returns(nn.Module):
+    kernel_layer_name = "Returns"
+
+    def forward(self, x: torch.Tensor) -> Any:
+        return {"a": x, "b": x + 1}
+
+
+def _returns(kernel: Callable[[nn.Module, torch.Tensor], Any]) -> nn.Module:
+    layer = _Returns()
+    layer.forward = types.MethodType(kernel, layer)  # type: ignore[method-assign]  # as kernels binds
+    return kp.attach(layer)
+
+
+def test_mismatch_numbers_for_nan_inf_integers_and_dicts_in_another_order() -> None:
+    x = torch.arange(4.0)
+    for bad in (float("nan"), float("inf")):
+
+        def one_bad(self: nn.Module, x: torch.Tensor, bad: float = bad) -> Any:
+            return {"a": torch.where(x == 2, bad, x), "b": x + 1}
+
+        with kp.kernel_policy("verify"), pytest.raises(kp.KernelMismatchError) as info:
+            _returns(one_bad)(x)
+        assert info.value.max_abs == info.value.max_rel == float("inf"), bad  # was: max abs error 0
+        assert info.value.index == (2,) and "1 of 4 elements differ" in info.value.detail
+        assert "1 of them NaN or infinite where the other is not" in info.value.detail
+        assert "max abs error inf" in str(info.value)
+    with kp.kernel_policy("verify"):
+        _returns(lambda self, x: {"b": x + 1, "a": x})(x)  # the same dict in another key order
+    ints = torch.arange(4)
+    with kp.kernel_policy("verify", atol=2):
+        _returns(lambda self, x: {"a": x + 2, "b": x - 1})(ints)  # within atol=2 (was: 'beyond atol=2')
+    with kp.kernel_policy("verify", atol=2), pytest.raises(kp.KernelMismatchError) as info:
+        _returns(lambda self, x: {"a": x + 3, "b": x + 1})(ints)
+    assert info.value.max_abs == 3.0 and info.value.detail == "4 of 4 elements differ beyond rtol=0.0, atol=2.0"
+    with kp.kernel_policy("verify"), pytest.raises(kp.KernelMismatchError, match=r"atol=0\.0"):  # exact by default
+        _returns(lambda self, x: {"a": x + 1, "b": x + 1})(ints)
