@@ -52,7 +52,9 @@ def check_consistent(model: nn.Module | None = None, *, group: Any = None) -> Po
     every rank, for example inside the training or evaluation loop's scope
     before the first step. With ``model``, each rank also reports the path of
     every kernel layer of its model (``kernel``, ``original`` or ``error``, and
-    why, as :func:`~kernelpolicy.explain` says), so a kernel that failed to
+    why, as :func:`~kernelpolicy.explain` says; the paths are compared, the
+    reasons only shown, since they may name a rank's device or its recovered
+    failures), so a kernel that failed to
     load on one node, or ``require`` failing on one rank only, shows before the
     first step instead of as a hang. On a mismatch every rank raises the same
     :class:`PolicyMismatchError`, listing the ranks and what they
@@ -60,11 +62,11 @@ def check_consistent(model: nn.Module | None = None, *, group: Any = None) -> Po
     """
     dist = _dist("check_consistent")
     policy = current_policy()
-    paths: dict[str, str] | None = None
+    paths: dict[str, tuple[str, str]] | None = None
     if model is not None:
         from ._explain import explain
 
-        paths = {row.name: f"{row.path} ({row.reason})" for row in explain(model)}
+        paths = {row.name: (row.path, row.reason) for row in explain(model)}
     gathered: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, (str(policy), paths), group=group)
     problems: list[str] = []
@@ -76,9 +78,10 @@ def check_consistent(model: nn.Module | None = None, *, group: Any = None) -> Po
         problems.append("ranks without a model: " + ", ".join(str(r) for r, f in enumerate(reported) if f is None))
     elif paths is not None:
         for name in sorted(set().union(*reported)):
-            per_rank = [found.get(name, "absent") for found in reported]
-            if len(set(per_rank)) > 1:
-                problems.append(f"layer {name!r}: " + ", ".join(f"rank {r}: {path}" for r, path in enumerate(per_rank)))
+            per_rank = [found.get(name, ("absent", "")) for found in reported]
+            if len({path for path, _ in per_rank}) > 1:  # the path, not why (a reason may name a device)
+                said = (f"{path} ({reason})" if reason else path for path, reason in per_rank)
+                problems.append(f"layer {name!r}: " + ", ".join(f"rank {r}: {text}" for r, text in enumerate(said)))
     if problems:
         raise PolicyMismatchError(
             f"kernel policy check across {len(gathered)} ranks failed on rank {dist.get_rank(group)}: "

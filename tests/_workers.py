@@ -62,14 +62,30 @@ def distributed_worker(rank: int, world: int, port: int, out_dir: str, case: str
 
     init_group(rank, world, port)
     missing = case == "kernel missing on rank 1" and rank == 1  # e.g. it failed to load on that node
+    if case == "failure recovered on rank 1" and rank == 1:  # its kernel's first call fails, then it runs
+        from kernelpolicy.testing import rms_norm_kernel_source, write_kernel_repo
+
+        source = rms_norm_kernel_source(can_torch_compile=True, offset=1.0).replace(
+            "            def forward(self, hidden_states):\n",
+            "            def forward(self, hidden_states):\n"
+            "                if CALLS[0] == 0:\n"
+            "                    CALLS[0] += 1\n"
+            "                    raise RuntimeError('CUDA error: an illegal memory access on GPU 0')\n",
+        )
+        repo = str(write_kernel_repo(Path(out_dir, "failing-once"), source))
     model = kernelize_locally(DemoModel(16).eval(), {} if missing else {"RMSNorm": repo}, inherit=False)
     modes = {
         "same": ("prefer,RMSNorm=disable",) * 2,
         "policies differ": ("require", "disable"),
         "broadcast": ("require", "disable,RMSNorm=prefer"),
+        "failure recovered on rank 1": ("prefer,fallback_on=RuntimeError",) * 2,
     }
     policy = modes.get(case, ("prefer", "prefer"))[rank]
     with kp.kernel_policy(kp.Policy.parse(policy)):
+        if case == "failure recovered on rank 1":
+            import torch
+
+            model(torch.ones(2, 16))  # rank 1: the kernel fails once, the original answers this call
         if case == "broadcast":
             with kernelpolicy.distributed.broadcast_policy(src=1):
                 outcome = f"ok {kernelpolicy.distributed.check_consistent(model)}"

@@ -43,6 +43,12 @@ def test_a_kernel_missing_on_one_rank_shows_before_the_first_step(tmp_path: Path
         assert "layer 'norm': rank 0: kernel (kernel usable), rank 1: original (no kernel bound)" in outcome
 
 
+@pytest.mark.slow  # spawns 2 ranks
+def test_ranks_on_the_same_paths_pass_whatever_their_reasons_say(tmp_path: Path) -> None:
+    # rank 1's kernel failed once (fallback_on); both take the kernel: its reason names the failure and 'GPU 0'
+    assert _run(tmp_path, "failure recovered on rank 1") == ["ok prefer,fallback_on=RuntimeError"] * 2
+
+
 def test_without_a_process_group_it_says_what_is_missing() -> None:
     for call in (kernelpolicy.distributed.check_consistent, kernelpolicy.distributed.broadcast_policy):
         with pytest.raises(RuntimeError, match=rf"distributed\.{call.__name__} needs an initialised torch.distributed"):
