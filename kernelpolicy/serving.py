@@ -2,14 +2,16 @@
 
 The ``X-Kernel-Policy`` header (the policy text syntax: ``disable``, ``RMSNorm=disable``, ``prefer,SiLU=require``)
 chooses the policy of one request on every OpenAI-compatible route (chat completions, completions, responses),
-streaming or not. A malformed header gets a 400 JSON error in OpenAI's shape, and the server goes on serving.
+streaming or not. A malformed header gets a 400 JSON error in OpenAI's shape, a policy the operator does not allow
+(``--allow-modes``, ``--allow-policy``, ``--ignore-policy-header``) a 403, and the server goes on serving.
 No header: the server's default (``KERNELPOLICY``, else ``prefer``).
 
 How the policy travels: transformers serve parses HTTP in an API server process and runs the model in an
 engine process of its own (spawned), joined by queues. This module owns the three seams:
 
-- **API server**: a middleware reads and checks the header and runs the request inside that policy's scope;
-  the engine client puts the policy in effect (as text) into the request it queues;
+- **API server**: a middleware reads and checks the header against the operator's rules (:mod:`kernelpolicy._access`:
+  400 if malformed, 403 if not allowed) and runs the request inside that policy's scope; the engine client puts
+  the policy in effect (as text) into the request it queues;
 - **engine process**: the engine's entry point is this module's (picklable by name, so the spawned process
   imports kernelpolicy): it makes the loaded model policy-aware (``auto_attach`` before loading, ``attach``
   after, or ``kernelize`` with the local kernel repositories of ``--kernel NAME=PATH``), and runs each
@@ -24,68 +26,80 @@ and stops, before serving anything, rather than serving every request under one 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
 from typing import Any
 
 from . import _compat
+from ._access import HEADER, MAX_HEADER, Access
 from ._errors import PolicyError
 from ._policy import Policy
 
 __all__ = ["HEADER", "MAX_HEADER", "main", "parse_header"]
 
-#: The request header that chooses a request's policy.
-HEADER = "X-Kernel-Policy"
-#: The longest header value taken (longer: 400); a policy is a few dozen characters.
-MAX_HEADER = 1024
 #: The key under which a request's policy travels to the engine, in its generation settings.
 _KEY = "_kernelpolicy"
 #: The environment variable the launcher hands the local kernel repositories to the engine in (JSON).
 KERNELS_ENV = "KERNELPOLICY_SERVE_KERNELS"
+#: The environment variable the launcher hands the operator's rules (:class:`~kernelpolicy._access.Access`) to
+#: every process of the server in (JSON).
+ACCESS_ENV = "KERNELPOLICY_SERVE_ACCESS"
 
 
 def parse_header(value: bytes) -> Policy:
     """The policy of a raw ``X-Kernel-Policy`` header value; :class:`PolicyError` naming what is wrong."""
-    if len(value) > MAX_HEADER:
-        raise PolicyError(f"header {HEADER} is {len(value)} bytes long; at most {MAX_HEADER} are taken")
-    try:
-        text = value.decode("ascii")
-    except UnicodeDecodeError:
-        raise PolicyError(f"header {HEADER} must be ASCII text, got {value[:100]!r}") from None
-    return Policy.parse(text, source=f"header {HEADER}")
+    return Access().parse(value)
+
+
+def _allowed() -> Access:
+    """The operator's rules in this process (the launcher's, through :data:`ACCESS_ENV`; else the defaults)."""
+    text = os.environ.get(ACCESS_ENV)
+    return Access() if not text else Access.from_json(text)
 
 
 class PolicyHeader:
-    """ASGI middleware: the request runs inside the scope of its ``X-Kernel-Policy`` header (400 if malformed)."""
+    """ASGI middleware: the request runs inside the scope of its ``X-Kernel-Policy`` header (400 if malformed,
+    403 if the operator's rules do not allow it; not read at all if they say so)."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, access: Access | None = None) -> None:
         self.app = app
+        self.access = _allowed() if access is None else access
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or not self.access.header:
             await self.app(scope, receive, send)
             return
         values = [value for name, value in scope["headers"] if name == HEADER.lower().encode()]
         if not values:
             await self.app(scope, receive, send)
             return
-        try:
-            if len(values) > 1:
-                raise PolicyError(f"header {HEADER} given {len(values)} times; give it once")
-            policy = parse_header(values[0])
-        except PolicyError as error:
-            await _json_error(send, str(error)[:2000], 400)
-            return
+        from ._active import current_policy
         from ._scope import kernel_policy
 
-        with kernel_policy(policy):
+        default = current_policy()
+        with contextlib.ExitStack() as stack:
+            try:
+                if len(values) > 1:
+                    raise PolicyError(f"header {HEADER} given {len(values)} times; give it once")
+                policy = self.access.parse(values[0])
+                refusal = self.access.refusal(policy, default)
+                if refusal is not None:
+                    await _json_error(send, refusal[:2000], 403, "policy_not_allowed")
+                    return
+                scope_ = kernel_policy(policy)
+                scope_._deferred = True  # no model here: the engine checks the variants named (see _policy_aware_load)
+                stack.enter_context(scope_)
+            except PolicyError as error:
+                await _json_error(send, str(error)[:2000], 400, "invalid_policy")
+                return
             await self.app(scope, receive, send)
 
 
-async def _json_error(send: Any, message: str, status: int) -> None:
+async def _json_error(send: Any, message: str, status: int, code: str) -> None:
     body = json.dumps(
-        {"error": {"message": message, "type": "invalid_request_error", "param": HEADER, "code": None}}
+        {"error": {"message": message, "type": "invalid_request_error", "param": HEADER, "code": code}}
     ).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     await send({"type": "http.response.start", "status": status, "headers": headers})
@@ -155,6 +169,10 @@ def _policy_aware_load(load: Any) -> Any:
             with kernels.use_kernel_mapping(mapping):
                 kernelpolicy.kernelize(model, mode="inference", device=device)
         kernelpolicy.attach(model)
+        from ._scope import check_variants
+
+        for allowed in _allowed().policies:  # a variant the model has not: refused before serving
+            check_variants(allowed, f"--allow-policy {str(allowed)!r}")
         return model, processor
 
     return loaded
@@ -216,21 +234,50 @@ def _option(arguments: list[str], name: str) -> str | None:
 # --- the command --------------------------------------------------------------------------------------
 
 
-def main(argv: list[str]) -> int:
-    """``python -m kernelpolicy serve [--kernel NAME=PATH ...] MODEL [transformers serve options]``."""
-    kernels: dict[str, str] = {}
+#: kernelpolicy's own options of the command, each taking a value (the others are ``transformers serve``'s).
+_VALUED = ("--kernel", "--allow-modes", "--allow-policy")
+#: Its flags.
+_FLAGS = ("--ignore-policy-header",)
+
+
+def _own_options(argv: list[str]) -> tuple[dict[str, list[str]], list[str]]:
+    """kernelpolicy's options of the command line (``--name VALUE`` or ``--name=VALUE``), and the rest."""
+    own: dict[str, list[str]] = {}
     rest: list[str] = []
     items = iter(argv)
     for item in items:
-        if item == "--kernel" or item.startswith("--kernel="):
-            value = item.partition("=")[2] if "=" in item else next(items, "")
-            name, _, path = value.partition("=")
-            if not name or not path:
-                print(f"--kernel takes NAME=PATH (a local kernel repository), got {value!r}", file=sys.stderr)
-                return 2
-            kernels[name] = os.path.abspath(path)
+        name = item.partition("=")[0]
+        if name in _VALUED:
+            own.setdefault(name, []).append(item.partition("=")[2] if "=" in item else next(items, ""))
+        elif item in _FLAGS:
+            own.setdefault(item, []).append("")
         else:
             rest.append(item)
+    return own, rest
+
+
+def main(argv: list[str]) -> int:
+    """``python -m kernelpolicy serve [--kernel NAME=PATH ...] [--allow-modes MODES] [--allow-policy POLICY ...]
+    [--ignore-policy-header] MODEL [transformers serve options]``."""
+    own, rest = _own_options(argv)
+    kernels: dict[str, str] = {}
+    for value in own.get("--kernel", []):
+        name, _, path = value.partition("=")
+        if not name or not path:
+            print(f"--kernel takes NAME=PATH (a local kernel repository), got {value!r}", file=sys.stderr)
+            return 2
+        kernels[name] = os.path.abspath(path)
+    modes = own.get("--allow-modes", [])
+    if len(modes) > 1:
+        print(f"--allow-modes given {len(modes)} times; give it once (comma-separated modes)", file=sys.stderr)
+        return 2
+    try:
+        access = Access.from_options(
+            modes[0] if modes else None, own.get("--allow-policy", []), ignore_header="--ignore-policy-header" in own
+        )
+    except PolicyError as error:
+        print(f"kernelpolicy serve: {error}", file=sys.stderr)
+        return 2
     servers = _option(rest, "--api-server-count")
     if servers not in (None, "1"):
         print(
@@ -245,6 +292,10 @@ def main(argv: list[str]) -> int:
         return 1
     if kernels:
         os.environ[KERNELS_ENV] = json.dumps(kernels)
+    os.environ[ACCESS_ENV] = access.to_json()  # the API server processes read it too
+    from ._active import current_policy
+
+    print(f"kernelpolicy serve: {access.describe(current_policy())}", file=sys.stderr)
     _install_api_side()
     from transformers.cli.transformers import app
 

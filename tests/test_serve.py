@@ -22,9 +22,12 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import kernelpolicy as kp
 from kernelpolicy import _compat
+from kernelpolicy._access import MAX_ENTRIES, MAX_VARIANTS, OTHER, Access
 from kernelpolicy.serving import HEADER, MAX_HEADER, PolicyHeader, parse_header
 
 PROMPTS = [[5, 6, 7], [9, 8], [40, 41, 42, 43], [100], [7, 7, 7], [200, 3], [11, 12, 13], [60, 61]]
@@ -77,6 +80,120 @@ def test_the_middleware_answers_400_in_openais_shape_and_runs_the_rest_in_the_po
     assert "given 2 times" in errors[0]["message"] and "'nope'" in errors[1]["message"]
     assert all(e["type"] == "invalid_request_error" and e["param"] == HEADER for e in errors)
     assert len(seen) == 2  # a refused request never reaches the app
+
+
+def _run(access: Access, *values: bytes) -> tuple[int | None, dict[str, Any] | None, str | None]:
+    """One request through the middleware under ``access``: (its error status or None, the error body or None, the policy the app
+    ran under or None)."""
+    import asyncio
+
+    ran: list[str] = []
+    sent: list[dict[str, Any]] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        ran.append(str(kp.current_policy()))
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "headers": [(HEADER.lower().encode(), v) for v in values]}
+    asyncio.run(PolicyHeader(app, access)(scope, None, send))
+    if not sent:
+        return None, None, ran[0]
+    assert not ran  # a refused request never reaches the app
+    return sent[0]["status"], json.loads(sent[1]["body"])["error"], None
+
+
+def test_by_default_clients_may_turn_kernels_off_and_nothing_more() -> None:
+    access = Access()
+    for allowed in ("prefer", "disable", "RMSNorm=disable", "disable,RMSNorm=prefer"):
+        assert _run(access, allowed.encode())[2] == str(kp.Policy.parse(allowed))
+    for refused in ("verify", "RMSNorm=verify", "require", "SiLU=require", "RMSNorm=kernel:fast", "max_failures=1"):
+        status, error, _ = _run(access, refused.encode())
+        assert status == 403 and error is not None and error["code"] == "policy_not_allowed", refused
+        assert "modes 'prefer', 'disable' for the default and any layer" in error["message"]
+        assert "the policies 'prefer' (the default)" in error["message"] and error["param"] == HEADER
+    status, error, _ = _run(access, b"bogus")
+    assert status == 400 and error is not None and error["code"] == "invalid_policy"
+
+
+def test_the_operator_lists_whole_policies_and_modes() -> None:
+    """An A/B test: exactly two arms, nothing else (``--allow-modes none``); the default is always allowed."""
+    access = Access.from_options("none", ["RMSNorm=kernel:fast|default", "verify,atol=1e-3"])
+    assert _run(access, b"prefer")[2] == "prefer"  # the server's default
+    for refused in (b"disable", b"RMSNorm=disable", b"verify", b"RMSNorm=kernel:fast"):
+        status, error, _ = _run(access, refused)
+        assert status == 403 and error is not None
+        assert error["message"].endswith(
+            "allowed: no mode by itself; the policies 'prefer' (the default), 'prefer,RMSNorm=kernel:fast|default', "
+            "'verify,atol=0.001'"
+        )
+    assert _run(access, b" verify , atol=0.001")[2] == "verify,atol=0.001"  # compared as values
+    with_verify = Access.from_options("prefer,disable,verify", [])
+    assert with_verify.refusal(kp.Policy.parse("RMSNorm=verify"), kp.Policy()) is None
+    assert with_verify.refusal(kp.Policy.parse("verify,on_mismatch=warn"), kp.Policy()) is not None  # an option
+
+
+def test_the_header_can_be_ignored() -> None:
+    access = Access.from_options(None, [], ignore_header=True)
+    assert _run(access, b"verify")[2] == "prefer"
+    assert _run(access, b"\xff" * 5000)[2] == "prefer"
+
+
+def test_header_values_are_bounded() -> None:
+    access = Access.from_options("prefer,disable", ["RMSNorm=kernel:a|b|c|d"])
+    many = ",".join(f"L{i}=disable" for i in range(MAX_ENTRIES + 1)).encode()
+    status, error, _ = _run(access, many)
+    assert status == 400 and error is not None and f"at most {MAX_ENTRIES} are taken" in error["message"]
+    assert _run(access, b"RMSNorm=kernel:a|b|c|d")[2] == "prefer,RMSNorm=kernel:a|b|c|d"
+    status, error, _ = _run(access, b"RMSNorm=kernel:a|b|c|d|e")
+    assert status == 400 and error is not None
+    assert f"names 5 variants for layer 'RMSNorm'; at most {MAX_VARIANTS} are taken" in error["message"]
+
+
+def test_metrics_labels_come_from_the_operators_set_only() -> None:
+    access = Access.from_options(None, ["RMSNorm=kernel:fast"])
+    default = kp.Policy()
+    labels = {access.label(kp.Policy.parse(text), default) for text in ("prefer", "disable", "A=disable", "B=disable")}
+    assert labels == {"prefer", "disable", OTHER}
+    assert access.label(kp.Policy.parse("RMSNorm=kernel:fast"), default) == "prefer,RMSNorm=kernel:fast"
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--allow-modes", "prefer,sometimes"], "--allow-modes 'prefer,sometimes': unknown mode 'sometimes'"),
+        (["--allow-policy", "RMSNorm=often"], "--allow-policy='RMSNorm=often': unknown kernel policy mode 'often'"),
+        (["--allow-modes=prefer", "--allow-modes=disable"], "--allow-modes given 2 times"),
+    ],
+)
+def test_bad_access_options_are_refused_naming_them(
+    options: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kernelpolicy import serving
+
+    assert serving.main(["some-model", *options]) == 2
+    assert message in capsys.readouterr().err
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.one_of(
+        st.binary(max_size=2 * MAX_HEADER),
+        st.text(max_size=300).map(lambda text: text.encode("utf-8", "surrogatepass")),
+        st.lists(st.sampled_from(["prefer", "disable", "verify", "RMSNorm=", "kernel:", "a|b", ",", "=", " "]))
+        .map("".join)
+        .map(str.encode),
+    )
+)
+def test_fuzzed_header_values_get_an_answer_never_an_exception(value: bytes) -> None:
+    """Arbitrary bytes and Unicode: the request runs under a policy the operator allows, or gets a 400 or 403."""
+    access = Access()
+    status, error, ran = _run(access, value)
+    if status is None:
+        assert ran is not None and access.refusal(kp.Policy.parse(ran), kp.Policy()) is None
+    else:
+        assert status in (400, 403) and error is not None and error["param"] == HEADER
 
 
 @pytest.mark.parametrize("given", [["--api-server-count", "2"], ["--api-server-count=3"]])
@@ -255,3 +372,67 @@ def test_load_concurrent_streams_in_two_policies_get_their_solo_tokens(
             print(
                 f"\n  {policy}: {tokens} tokens in {max(ends):.2f} s ({tokens / max(ends):.1f} tokens/s; wall {wall:.2f} s)"
             )
+
+
+@pytest.mark.slow
+@needs_serve
+def test_a_refused_policy_is_403_naming_the_allowed_set_and_the_server_keeps_serving(
+    served: tuple[str, str, Any],
+) -> None:
+    url, model, reference = served
+    for refused in ("verify", "RMSNorm=require", "RMSNorm=kernel:fast", "prefer,max_failures=1"):
+        status, body = chat(url, model, PROMPTS[1], refused)
+        assert status == 403 and body["error"]["code"] == "policy_not_allowed", body
+        assert "allowed: modes 'prefer', 'disable' for the default and any layer" in body["error"]["message"]
+    status, body = chat(url, model, PROMPTS[1], "RMSNorm=disable")
+    assert status == 200 and ids(body["choices"][0]["message"]["content"]) == solo(reference, "disable", PROMPTS[1])
+
+
+def _raw_status(url: str, model: str, value: bytes) -> int:
+    """The status of one chat request whose header value is ``value`` byte for byte (a raw HTTP/1.1 socket)."""
+    host, port = url.removeprefix("http://").split(":")
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "w5"}], "max_tokens": 1}).encode()
+    request = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: " + host.encode() + b"\r\nConnection: close\r\n"
+        b"Content-Type: application/json\r\nContent-Length: "
+        + str(len(body)).encode()
+        + b"\r\n"
+        + HEADER.encode()
+        + b": "
+        + value
+        + b"\r\n\r\n"
+        + body
+    )
+    with socket.create_connection((host, int(port)), timeout=60) as connection:
+        connection.sendall(request)
+        answer = b""
+        while b"\r\n" not in answer:
+            chunk = connection.recv(4096)
+            if not chunk:
+                break
+            answer += chunk
+    return int(answer.split(b" ", 2)[1]) if answer.startswith(b"HTTP/1.1 ") else 400  # closed: refused by uvicorn
+
+
+@pytest.mark.slow
+@needs_serve
+def test_fuzzed_headers_on_the_real_server_never_get_a_500(served: tuple[str, str, Any]) -> None:
+    url, model, _ = served
+    statuses: list[int] = []
+
+    @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @given(
+        st.one_of(
+            st.binary(min_size=1, max_size=1500).filter(lambda v: b"\r" not in v and b"\n" not in v),
+            st.text(min_size=1, max_size=100).map(lambda t: t.encode("utf-8", "surrogatepass")),
+            st.sampled_from([b"disable", b"verify", b"RMSNorm=disable", b"prefer,,", b"kernel:a|b"]),
+        ).filter(lambda v: b"\r" not in v and b"\n" not in v)
+    )
+    def one(value: bytes) -> None:
+        status = _raw_status(url, model, value)
+        statuses.append(status)
+        assert status < 500, value
+
+    one()
+    assert 200 in statuses and (400 in statuses or 403 in statuses)
+    assert chat(url, model, PROMPTS[0], "disable")[0] == 200
