@@ -53,7 +53,7 @@ if TYPE_CHECKING:
 
     from ._state import ExecutionState
 
-__all__ = ["BINDING", "ON_CLASS_PATCH", "Binding", "Kernel", "kernel_of", "redirect"]
+__all__ = ["BINDING", "ON_CLASS_PATCH", "ON_STOPPED", "Binding", "Kernel", "kernel_of", "redirect"]
 
 logger = logging.getLogger("kernelpolicy")
 
@@ -61,6 +61,8 @@ logger = logging.getLogger("kernelpolicy")
 BINDING: Final = "_kernelpolicy"
 #: ``rebind(module)``: bind ``module`` again, its class's forward now the original (``_aware`` registers it).
 ON_CLASS_PATCH: list[Callable[[nn.Module], None]] = []
+#: Called with a binding whose kernel ``max_failures`` just stopped (a trip); the serve metrics count them.
+ON_STOPPED: list[Callable[[Binding], None]] = []
 
 _logged: set[tuple[str, str]] = set()
 
@@ -307,6 +309,8 @@ class Binding:
             )
             self.install()
             self._log_once("stopped", logging.WARNING, f"is off: {self.stopped}")
+            for stopped in ON_STOPPED:
+                stopped(self)
         else:
             self._log_once("failed", logging.WARNING, f"raised {self.last_failure}; the original forward ran instead")
         return self._run(recorders, "original", f"{FAILED} ({self.last_failure})", self.original, args, kwargs)

@@ -32,7 +32,7 @@ import os
 import sys
 from typing import Any
 
-from . import _compat
+from . import _compat, _metrics
 from ._access import HEADER, MAX_HEADER, Access
 from ._errors import PolicyError
 from ._policy import Policy
@@ -68,17 +68,21 @@ class PolicyHeader:
         self.access = _allowed() if access is None else access
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or not self.access.header:
-            await self.app(scope, receive, send)
-            return
-        values = [value for name, value in scope["headers"] if name == HEADER.lower().encode()]
-        if not values:
+        if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         from ._active import current_policy
         from ._scope import kernel_policy
 
         default = current_policy()
+        values = [value for name, value in scope["headers"] if name == HEADER.lower().encode()]
+        if not values or not self.access.header:
+            token = _metrics.LABEL.set(self.access.label(default, default))
+            try:
+                await self.app(scope, receive, send)
+            finally:
+                _metrics.LABEL.reset(token)
+            return
         with contextlib.ExitStack() as stack:
             try:
                 if len(values) > 1:
@@ -86,14 +90,18 @@ class PolicyHeader:
                 policy = self.access.parse(values[0])
                 refusal = self.access.refusal(policy, default)
                 if refusal is not None:
+                    _metrics.error("refused_policy")
                     await _json_error(send, refusal[:2000], 403, "policy_not_allowed")
                     return
                 scope_ = kernel_policy(policy)
                 scope_._deferred = True  # no model here: the engine checks the variants named (see _policy_aware_load)
                 stack.enter_context(scope_)
             except PolicyError as error:
+                _metrics.error("bad_header")
                 await _json_error(send, str(error)[:2000], 400, "invalid_policy")
                 return
+            token = _metrics.LABEL.set(self.access.label(policy, default))
+            stack.callback(_metrics.LABEL.reset, token)
             await self.app(scope, receive, send)
 
 
@@ -109,6 +117,14 @@ async def _json_error(send: Any, message: str, status: int, code: str) -> None:
 # --- the API server's side ------------------------------------------------------------------------
 
 
+async def _metrics_route(request: Any) -> Any:
+    """``GET /metrics``: Prometheus' text format, the counts of every process of the server."""
+    from starlette.responses import Response
+
+    body, content_type = _metrics.exposition()
+    return Response(body, media_type=content_type)
+
+
 def _install_api_side() -> None:
     """Every app transformers builds gets the middleware; every request queued carries its policy."""
     server = _compat.lookup(_owner(_compat.SERVING_BUILD))
@@ -117,6 +133,7 @@ def _install_api_side() -> None:
     def build_server(*args: Any, **kwargs: Any) -> Any:
         app = build(*args, **kwargs)
         app.add_middleware(PolicyHeader)
+        app.add_route("/metrics", _metrics_route, methods=["GET"])
         return app
 
     server.build_server = build_server
@@ -129,6 +146,7 @@ def _install_api_side() -> None:
 
             inputs, settings = args
             args = (inputs, {**settings, _KEY: str(current_policy())})
+            return await _metrics.observe_request(lambda: send(self, method, args, streamer), streamer)
         return await send(self, method, args, streamer)
 
     client._send_request = _send_request
@@ -180,10 +198,13 @@ def _policy_aware_load(load: Any) -> Any:
 
 def _install_engine_side() -> None:
     from . import batching
+    from ._active import RECORDERS
+    from ._metrics import CALLS
     from ._propagate import propagate
-    from ._scope import kernel_policy
+    from ._scope import _recording_scope, kernel_policy
 
     batching.install()
+    _metrics.install_engine()
     for internal in (_compat.SERVING_GENERATE, _compat.SERVING_CB_GENERATE):
         owner = _compat.lookup(_owner(internal))
         generate = owner.__dict__["generate"]
@@ -193,10 +214,11 @@ def _install_engine_side() -> None:
         ) -> None:
             settings = dict(settings)
             policy = Policy.parse(settings.pop(_KEY)) if _KEY in settings else None
-            if policy is None:
-                generate(self, request_id, inputs, settings, stream)
-                return
-            with kernel_policy(policy):
+            with contextlib.ExitStack() as scopes:
+                if policy is not None:
+                    scopes.enter_context(kernel_policy(policy))
+                # every call of this request counts in the metrics (continuous batching: in the steps serving it)
+                scopes.enter_context(_recording_scope(None, recording=True, recorders=(*RECORDERS.get(), CALLS)))
                 generate(self, request_id, inputs, settings, stream)
 
         owner.generate = policy_generate
@@ -290,8 +312,22 @@ def main(argv: list[str]) -> int:
     if not _compat.all_present((_compat.SERVING_BUILD, _compat.SERVING_SEND, *_compat.SERVING_RUNNERS)):
         print("kernelpolicy serve: this transformers serve lacks the seams a policy travels through", file=sys.stderr)
         return 1
+    import importlib.util
+
+    if importlib.util.find_spec("prometheus_client") is None:  # not imported: its multiprocess folder comes first
+        print(
+            "kernelpolicy serve: GET /metrics needs prometheus_client: pip install 'kernelpolicy[server]'",
+            file=sys.stderr,
+        )
+        return 1
     if kernels:
         os.environ[KERNELS_ENV] = json.dumps(kernels)
+    made = _metrics.prepare()  # before prometheus_client's values are made, in this process and those it spawns
+    if made is not None:
+        import atexit
+        import shutil
+
+        atexit.register(shutil.rmtree, made, ignore_errors=True)
     os.environ[ACCESS_ENV] = access.to_json()  # the API server processes read it too
     from ._active import current_policy
 

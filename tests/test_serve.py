@@ -436,3 +436,93 @@ def test_fuzzed_headers_on_the_real_server_never_get_a_500(served: tuple[str, st
     one()
     assert 200 in statuses and (400 in statuses or 403 in statuses)
     assert chat(url, model, PROMPTS[0], "disable")[0] == 200
+
+
+def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def test_the_models_process_counts_calls_fallbacks_trips_and_kernel_errors(tmp_path: Any) -> None:
+    """The recorder the model's process runs every request under, on a real local kernel that raises on a batch
+    of 3 (this process's own registry: the server's processes share theirs through files)."""
+    pytest.importorskip("prometheus_client")
+    from prometheus_client import REGISTRY, generate_latest
+    from torch import nn
+
+    from kernelpolicy import _metrics
+    from kernelpolicy._scope import _recording_scope
+    from kernelpolicy.testing import RMSNorm, kernelize_locally, write_kernel_repo
+
+    source = "import torch\nfrom torch import nn\n\n\nclass RMSNorm(nn.Module):\n    def forward(self, x):\n"
+    source += "        if x.shape[0] == 3:\n            raise RuntimeError('a batch of 3')\n        return x + 100.0\n"
+    repo = write_kernel_repo(tmp_path / "failing", source, name="failing-rmsnorm")
+    model = kernelize_locally(nn.Sequential(RMSNorm(8)).eval(), {"RMSNorm": repo})
+    _metrics.install_engine()
+    before = _samples(generate_latest(REGISTRY).decode())
+    with _recording_scope(None, recording=True, recorders=(_metrics.CALLS,)):
+        model(torch.ones(2, 8))
+        with kp.kernel_policy("prefer", fallback_on=RuntimeError, max_failures=2):
+            model(torch.ones(3, 8))  # falls back
+            model(torch.ones(3, 8))  # falls back, and trips
+            model(torch.ones(2, 8))  # stopped: the original
+        with kp.kernel_policy("require"), pytest.raises(RuntimeError):
+            model(torch.ones(3, 8))  # stopped, and require wants the kernel
+        kp.reset_failures(model)
+        with pytest.raises(RuntimeError, match="a batch of 3"):
+            model(torch.ones(3, 8))  # a kernel failure, not caught
+    after = _samples(generate_latest(REGISTRY).decode())
+
+    def delta(name: str, **labels: str) -> float:
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    assert delta("kernelpolicy_kernel_calls_total", layer="RMSNorm", path="kernel") == 2  # the last raised
+    assert delta("kernelpolicy_kernel_calls_total", layer="RMSNorm", path="original") == 3
+    assert delta("kernelpolicy_kernel_calls_total", layer="RMSNorm", path="error") == 1
+    assert delta("kernelpolicy_kernel_fallbacks_total", layer="RMSNorm") == 2
+    assert delta("kernelpolicy_kernel_trips_total", layer="RMSNorm") == 1
+    assert delta("kernelpolicy_serve_errors_total", kind="kernel_unavailable") == 1
+    assert delta("kernelpolicy_serve_errors_total", kind="kernel_failure") == 1
+
+
+@pytest.mark.slow
+@needs_serve
+def test_metrics_count_requests_tokens_errors_and_kernel_calls_by_policy(served: tuple[str, str, Any]) -> None:
+    import httpx
+
+    url, model, _ = served
+
+    def scrape() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        response = httpx.get(f"{url}/metrics", timeout=30)
+        assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
+        return _samples(response.text)
+
+    before = scrape()
+    assert chat(url, model, PROMPTS[2], None)[0] == 200  # the default: prefer
+    assert chat(url, model, PROMPTS[2], "disable", stream=True)[0] == 200
+    assert chat(url, model, PROMPTS[2], "RMSNorm=disable")[0] == 200  # allowed, not named by the operator: other
+    assert chat(url, model, PROMPTS[2], "bogus")[0] == 400
+    assert chat(url, model, PROMPTS[2], "verify")[0] == 403
+    after = scrape()
+
+    def delta(name: str, **labels: str) -> float:
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    for policy in ("prefer", "disable", "other"):
+        assert delta("kernelpolicy_serve_requests_total", policy=policy) == 1, policy
+        assert delta("kernelpolicy_serve_generated_tokens_total", policy=policy) == TOKENS, policy
+        assert delta("kernelpolicy_serve_tokens_per_second_count", policy=policy) == 1, policy
+    assert delta("kernelpolicy_serve_time_to_first_token_seconds_count", policy="disable") == 1  # streamed
+    assert delta("kernelpolicy_serve_errors_total", kind="bad_header") == 1
+    assert delta("kernelpolicy_serve_errors_total", kind="refused_policy") == 1
+    # the model's process: the prefer request ran its RMSNorm kernels, the two others the original forward
+    assert delta("kernelpolicy_kernel_calls_total", layer="RMSNorm", path="kernel") > 0
+    assert delta("kernelpolicy_kernel_calls_total", layer="RMSNorm", path="original") > 0
+    assert not any(name.startswith("kernelpolicy") and "verify" in str(labels) for name, labels in after)
