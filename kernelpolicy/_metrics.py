@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import logging
 import os
 import tempfile
 import time
@@ -46,7 +47,14 @@ NAMES: Final = {
     "kernelpolicy_kernel_calls_total": "calls of policy-aware layers in the model's process, by layer and path",
     "kernelpolicy_kernel_fallbacks_total": "kernel errors fallback_on caught (the original ran instead), by layer",
     "kernelpolicy_kernel_trips_total": "kernels max_failures stopped, by layer",
+    "kernelpolicy_canary_requests_total": "requests --verify-sample ran as verify, by policy",
+    "kernelpolicy_verify_calls_total": "calls verify compared with the original forward, by layer",
+    "kernelpolicy_verify_mismatches_total": "of those, the calls beyond the tolerance, by layer",
+    "kernelpolicy_verify_max_abs_error": "the largest absolute error verify saw, by layer",
+    "kernelpolicy_verify_max_rel_error": "the largest relative error verify saw, by layer",
 }
+logger = logging.getLogger("kernelpolicy")
+
 #: The environment variable ``prometheus_client`` reads its multiprocess folder from.
 DIRECTORY_ENV: Final = "PROMETHEUS_MULTIPROC_DIR"
 #: The policy label of the request being served (the API server's middleware sets it).
@@ -70,7 +78,7 @@ class _Instruments:
     """The metric objects of this process (each process makes its own; the files are summed on exposition)."""
 
     def __init__(self) -> None:
-        from prometheus_client import Counter, Histogram
+        from prometheus_client import Counter, Gauge, Histogram
 
         def counter(name: str, *labels: str) -> Any:
             return Counter(name.removesuffix("_total"), NAMES[name], labels)
@@ -85,6 +93,11 @@ class _Instruments:
         self.calls = counter("kernelpolicy_kernel_calls_total", "layer", "path")
         self.fallbacks = counter("kernelpolicy_kernel_fallbacks_total", "layer")
         self.trips = counter("kernelpolicy_kernel_trips_total", "layer")
+        self.canaries = counter("kernelpolicy_canary_requests_total", "policy")
+        self.verified = counter("kernelpolicy_verify_calls_total", "layer")
+        self.mismatches = counter("kernelpolicy_verify_mismatches_total", "layer")
+        largest = ("kernelpolicy_verify_max_abs_error", "kernelpolicy_verify_max_rel_error")
+        self.max_abs, self.max_rel = (Gauge(n, NAMES[n], ["layer"], multiprocess_mode="max") for n in largest)
 
 
 @functools.cache
@@ -160,9 +173,55 @@ def _tripped(binding: Binding) -> None:
     metrics().trips.labels(binding.layer_name).inc()
 
 
+_LARGEST: dict[tuple[str, str], float] = {}
+
+
+def _compared(module: Any, tested: Any, reference: Any, mismatch: Any) -> None:
+    """After each comparison of ``verify``: the call, a mismatch (logged), the largest errors of its layer."""
+    import torch
+
+    from ._binding import BINDING
+    from ._verify import tensors_in
+
+    binding = module.__dict__.get(BINDING)
+    layer = "" if binding is None else binding.layer_name
+    counted = metrics()
+    counted.verified.labels(layer).inc()
+    largest_abs = largest_rel = 0.0
+    for out, expected in zip(tensors_in(tested), tensors_in(reference), strict=False):
+        if out.shape != expected.shape or not (expected.is_floating_point() or expected.is_complex()):
+            continue
+        diff = (out.detach().to(torch.float64) - expected.detach().to(torch.float64)).abs()
+        if diff.numel():
+            scale = expected.detach().abs().to(torch.float64).clamp_min(torch.finfo(torch.float64).tiny)
+            largest_abs = max(largest_abs, float(diff.max()))
+            largest_rel = max(largest_rel, float((diff / scale).max()))
+    # this process's largest so far (a gauge holds one value); multiprocess mode "max": the largest of every process
+    largest_abs = _LARGEST[(layer, "abs")] = max(_LARGEST.get((layer, "abs"), 0.0), largest_abs)
+    largest_rel = _LARGEST[(layer, "rel")] = max(_LARGEST.get((layer, "rel"), 0.0), largest_rel)
+    counted.max_abs.labels(layer).set(largest_abs)
+    counted.max_rel.labels(layer).set(largest_rel)
+    if mismatch is not None:
+        counted.mismatches.labels(layer).inc()
+        logger.warning(
+            "verify: kernel layer %r at %r differs from its reference at %s: %s (largest absolute error %.3g, "
+            "relative %.3g)",
+            layer,
+            getattr(binding, "module_name", ""),
+            mismatch.where,
+            mismatch.detail,
+            mismatch.max_abs,
+            mismatch.max_rel,
+        )
+
+
 def install_engine() -> None:
-    """In the model's process: count trips (the forwards' calls are counted by :data:`CALLS`)."""
+    """In the model's process: count trips and verify's comparisons (the forwards' calls are counted by
+    :data:`CALLS`)."""
     from ._binding import ON_STOPPED
+    from ._verify import COMPARED
 
     if _tripped not in ON_STOPPED:
         ON_STOPPED.append(_tripped)
+    if _compared not in COMPARED:
+        COMPARED.append(_compared)

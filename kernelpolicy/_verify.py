@@ -74,6 +74,11 @@ class Mismatch:
     index: tuple[int, ...] | None = None
 
 
+#: ``hook(module, tested output, reference output, mismatch or None)`` after each comparison of ``verify``
+#: (serve's metrics: the largest errors per layer).
+COMPARED: list[Callable[[nn.Module, Any, Any, Mismatch | None], None]] = []
+
+
 def tolerances(dtype: torch.dtype, rtol: Tolerance, atol: Tolerance) -> tuple[float, float]:
     """(rtol, atol) for ``dtype``: the policy's, for that dtype or for every dtype (``*``), else the default."""
     default = DEFAULT_TOLERANCES.get(dtype, (0.0, 0.0))
@@ -273,6 +278,8 @@ def run_and_compare(
         mismatch = compare(buffers.current(), expected_buffers, rtol=rtol, atol=atol, where="buffers")
     if mismatch is None:
         mismatch = _arguments_left(args, kwargs, reference_args, reference_kwargs, rtol=rtol, atol=atol)
+    for compared in COMPARED:
+        compared(module, out, expected, mismatch)
     return out, mismatch
 
 

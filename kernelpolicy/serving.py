@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import sys
 from typing import Any
 
@@ -46,6 +47,29 @@ KERNELS_ENV = "KERNELPOLICY_SERVE_KERNELS"
 #: The environment variable the launcher hands the operator's rules (:class:`~kernelpolicy._access.Access`) to
 #: every process of the server in (JSON).
 ACCESS_ENV = "KERNELPOLICY_SERVE_ACCESS"
+#: The environment variable the launcher hands the canary's settings to the engine in (JSON: sample, fail).
+CANARY_ENV = "KERNELPOLICY_SERVE_CANARY"
+
+
+def canary(policy: Policy, *, fail: bool) -> Policy | None:
+    """The policy a sampled request runs under (``--verify-sample``): ``prefer`` and ``require`` become ``verify``
+    (the client gets the kernel's answer), mismatches warn, or raise with ``fail``; None for a request that would
+    run no kernel or verifies already.
+
+    >>> canary(Policy.parse("RMSNorm=disable"), fail=False)
+    Policy('verify', RMSNorm='disable', on_mismatch='warn')
+    >>> canary(Policy.parse("disable"), fail=False) is None
+    True
+    """
+    entries = [policy.default, *policy.layers.values()]
+    if "verify" in entries or not any(entry in ("prefer", "require") for entry in entries):
+        return None  # a variant entry runs as chosen: the canary verifies a layer's own kernel only
+
+    def verified(entry: str) -> Any:
+        return "verify" if entry in ("prefer", "require") else entry
+
+    layers = {name: verified(entry) for name, entry in policy.layers.items()}
+    return policy.overlay(verified(policy.default), layers, {"on_mismatch": "raise" if fail else "warn"})
 
 
 def parse_header(value: bytes) -> Policy:
@@ -198,13 +222,15 @@ def _policy_aware_load(load: Any) -> Any:
 
 def _install_engine_side() -> None:
     from . import batching
-    from ._active import RECORDERS
+    from ._active import RECORDERS, current_policy
     from ._metrics import CALLS
     from ._propagate import propagate
     from ._scope import _recording_scope, kernel_policy
 
     batching.install()
     _metrics.install_engine()
+    settings_ = json.loads(os.environ.get(CANARY_ENV) or '{"sample": 0, "fail": false}')
+    sample, fail, draw = float(settings_["sample"]), bool(settings_["fail"]), random.Random()
     for internal in (_compat.SERVING_GENERATE, _compat.SERVING_CB_GENERATE):
         owner = _compat.lookup(_owner(internal))
         generate = owner.__dict__["generate"]
@@ -213,10 +239,14 @@ def _install_engine_side() -> None:
             self: Any, request_id: int, inputs: Any, settings: dict[str, Any], stream: bool, generate: Any = generate
         ) -> None:
             settings = dict(settings)
-            policy = Policy.parse(settings.pop(_KEY)) if _KEY in settings else None
+            policy = Policy.parse(settings.pop(_KEY)) if _KEY in settings else current_policy()
+            if sample and draw.random() < sample:
+                sampled = canary(policy, fail=fail)
+                if sampled is not None:
+                    _metrics.metrics().canaries.labels(_allowed().label(policy, current_policy())).inc()
+                    policy = sampled
             with contextlib.ExitStack() as scopes:
-                if policy is not None:
-                    scopes.enter_context(kernel_policy(policy))
+                scopes.enter_context(kernel_policy(policy))
                 # every call of this request counts in the metrics (continuous batching: in the steps serving it)
                 scopes.enter_context(_recording_scope(None, recording=True, recorders=(*RECORDERS.get(), CALLS)))
                 generate(self, request_id, inputs, settings, stream)
@@ -257,9 +287,9 @@ def _option(arguments: list[str], name: str) -> str | None:
 
 
 #: kernelpolicy's own options of the command, each taking a value (the others are ``transformers serve``'s).
-_VALUED = ("--kernel", "--allow-modes", "--allow-policy")
+_VALUED = ("--kernel", "--allow-modes", "--allow-policy", "--verify-sample")
 #: Its flags.
-_FLAGS = ("--ignore-policy-header",)
+_FLAGS = ("--ignore-policy-header", "--verify-fail")
 
 
 def _own_options(argv: list[str]) -> tuple[dict[str, list[str]], list[str]]:
@@ -280,7 +310,7 @@ def _own_options(argv: list[str]) -> tuple[dict[str, list[str]], list[str]]:
 
 def main(argv: list[str]) -> int:
     """``python -m kernelpolicy serve [--kernel NAME=PATH ...] [--allow-modes MODES] [--allow-policy POLICY ...]
-    [--ignore-policy-header] MODEL [transformers serve options]``."""
+    [--ignore-policy-header] [--verify-sample FRACTION [--verify-fail]] MODEL [transformers serve options]``."""
     own, rest = _own_options(argv)
     kernels: dict[str, str] = {}
     for value in own.get("--kernel", []):
@@ -299,6 +329,14 @@ def main(argv: list[str]) -> int:
         )
     except PolicyError as error:
         print(f"kernelpolicy serve: {error}", file=sys.stderr)
+        return 2
+    fraction = (own.get("--verify-sample") or ["0"])[-1]
+    try:
+        sample = float(fraction)
+    except ValueError:
+        sample = -1.0
+    if not 0.0 <= sample <= 1.0:
+        print(f"--verify-sample takes a fraction from 0 to 1 (0.01: 1% of requests), got {fraction!r}", file=sys.stderr)
         return 2
     servers = _option(rest, "--api-server-count")
     if servers not in (None, "1"):
@@ -329,6 +367,7 @@ def main(argv: list[str]) -> int:
 
         atexit.register(shutil.rmtree, made, ignore_errors=True)
     os.environ[ACCESS_ENV] = access.to_json()  # the API server processes read it too
+    os.environ[CANARY_ENV] = json.dumps({"sample": sample, "fail": "--verify-fail" in own})
     from ._active import current_policy
 
     print(f"kernelpolicy serve: {access.describe(current_policy())}", file=sys.stderr)

@@ -8,6 +8,7 @@ Only the process it started is stopped. The header's parsing is tested in-proces
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -222,31 +223,21 @@ def _free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str, Any]]:
-    """The server (continuous batching), its base URL, the model folder, and the solo reference model."""
-    pytest.importorskip("fastapi")
-    import transformers
+@contextlib.contextmanager
+def _server(root: Any, folder: Any, repo: Any, *options: str) -> Iterator[str]:
+    """``python -m kernelpolicy serve`` on 127.0.0.1 (continuous batching, ``--kernel RMSNorm=repo``); its URL."""
+    import httpx
 
-    from kernelpolicy.testing import local_mapping, rms_norm_kernel_source, save_tiny_llama, write_kernel_repo
-
-    root = tmp_path_factory.mktemp("serve")
-    folder = save_tiny_llama(root / "model")
-    repo = write_kernel_repo(root / "repo", rms_norm_kernel_source(offset=0.5, can_torch_compile=True))
     port = _free_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_UPDATE_CHECK": "1"}
     command = [sys.executable, "-m", "kernelpolicy", "serve", str(folder), "--continuous-batching"]
     command += ["--cb-num-blocks", "64", "--cb-max-batch-tokens", "512", "--device", "cpu"]
-    command += ["--host", "127.0.0.1", "--port", str(port), "--kernel", f"RMSNorm={repo}"]
-    log = (root / "server.log").open("w")
+    command += ["--host", "127.0.0.1", "--port", str(port), "--kernel", f"RMSNorm={repo}", *options]
+    log_path = root / f"server-{port}.log"
+    log = log_path.open("w")
     server = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
-    reference = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
-    with local_mapping({"RMSNorm": repo}):
-        kp.kernelize(reference, mode="inference", device="cpu")
     try:
-        import httpx
-
         deadline = time.monotonic() + 180
         while True:
             try:
@@ -255,9 +246,9 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str,
             except httpx.HTTPError:
                 pass
             if server.poll() is not None or time.monotonic() > deadline:
-                pytest.fail("the server did not start:\n" + (root / "server.log").read_text()[-3000:])
+                pytest.fail("the server did not start:\n" + log_path.read_text()[-3000:])
             time.sleep(0.5)
-        yield url, str(folder), reference
+        yield url
     finally:
         os.killpg(server.pid, signal.SIGTERM)  # the server and the engine it spawned, nothing else
         try:
@@ -266,6 +257,31 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str,
             os.killpg(server.pid, signal.SIGKILL)
             server.wait(30)
         log.close()
+
+
+@pytest.fixture(scope="module")
+def model_and_kernel(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any, Any, Any]:
+    """A saved tiny Llama, its RMSNorm kernel (adds 0.5), the folder, and the solo reference model."""
+    pytest.importorskip("fastapi")
+    import transformers
+
+    from kernelpolicy.testing import local_mapping, rms_norm_kernel_source, save_tiny_llama, write_kernel_repo
+
+    root = tmp_path_factory.mktemp("serve")
+    folder = save_tiny_llama(root / "model")
+    repo = write_kernel_repo(root / "repo", rms_norm_kernel_source(offset=0.5, can_torch_compile=True))
+    reference = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    with local_mapping({"RMSNorm": repo}):
+        kp.kernelize(reference, mode="inference", device="cpu")
+    return root, folder, repo, reference
+
+
+@pytest.fixture(scope="module")
+def served(model_and_kernel: tuple[Any, Any, Any, Any]) -> Iterator[tuple[str, str, Any]]:
+    """The server (continuous batching, the default options), its base URL, the model folder, the solo reference."""
+    root, folder, repo, reference = model_and_kernel
+    with _server(root, folder, repo) as url:
+        yield url, str(folder), reference
 
 
 def solo(reference: Any, policy: str, prompt: list[int]) -> list[int]:
@@ -463,9 +479,16 @@ def test_the_models_process_counts_calls_fallbacks_trips_and_kernel_errors(tmp_p
     source += "        if x.shape[0] == 3:\n            raise RuntimeError('a batch of 3')\n        return x + 100.0\n"
     repo = write_kernel_repo(tmp_path / "failing", source, name="failing-rmsnorm")
     model = kernelize_locally(nn.Sequential(RMSNorm(8)).eval(), {"RMSNorm": repo})
+    from kernelpolicy._binding import ON_STOPPED
+    from kernelpolicy._verify import COMPARED
+
+    hooks = (list(ON_STOPPED), list(COMPARED))
     _metrics.install_engine()
     before = _samples(generate_latest(REGISTRY).decode())
-    with _recording_scope(None, recording=True, recorders=(_metrics.CALLS,)):
+    with contextlib.ExitStack() as restore, _recording_scope(None, recording=True, recorders=(_metrics.CALLS,)):
+        restore.callback(
+            lambda: (ON_STOPPED.__setitem__(slice(None), hooks[0]), COMPARED.__setitem__(slice(None), hooks[1]))
+        )
         model(torch.ones(2, 8))
         with kp.kernel_policy("prefer", fallback_on=RuntimeError, max_failures=2):
             model(torch.ones(3, 8))  # falls back
@@ -526,3 +549,50 @@ def test_metrics_count_requests_tokens_errors_and_kernel_calls_by_policy(served:
     assert delta("kernelpolicy_kernel_calls_total", layer="RMSNorm", path="kernel") > 0
     assert delta("kernelpolicy_kernel_calls_total", layer="RMSNorm", path="original") > 0
     assert not any(name.startswith("kernelpolicy") and "verify" in str(labels) for name, labels in after)
+
+
+@pytest.mark.slow
+@needs_serve
+def test_the_canary_verifies_sampled_requests_and_the_client_gets_the_kernels_answer(
+    model_and_kernel: tuple[Any, Any, Any, Any],
+) -> None:
+    """``--verify-sample 1``: every request that would run a kernel runs as verify; the kernel (adds 0.5) mismatches,
+    which is logged and counted, and the client gets the kernel's tokens. ``disable`` requests are not sampled."""
+    import httpx
+
+    root, folder, repo, reference = model_and_kernel
+    with _server(root, folder, repo, "--verify-sample", "1") as url:
+        for policy in (None, "disable"):
+            status, body = chat(url, str(folder), PROMPTS[0], policy)
+            assert status == 200 and ids(body["choices"][0]["message"]["content"]) == solo(
+                reference, policy or "prefer", PROMPTS[0]
+            )
+        samples = _samples(httpx.get(f"{url}/metrics", timeout=30).text)
+    assert samples[("kernelpolicy_canary_requests_total", (("policy", "prefer"),))] == 1
+    assert ("kernelpolicy_canary_requests_total", (("policy", "disable"),)) not in samples
+    calls = samples[("kernelpolicy_verify_calls_total", (("layer", "RMSNorm"),))]
+    assert calls > 0 and samples[("kernelpolicy_verify_mismatches_total", (("layer", "RMSNorm"),))] == calls
+    assert samples[("kernelpolicy_verify_max_abs_error", (("layer", "RMSNorm"),))] == pytest.approx(0.5, abs=1e-3)
+    log = "".join(path.read_text() for path in root.glob("server-*.log"))
+    assert "verify: kernel layer 'RMSNorm' at 'model.layers.0.input_layernorm' differs from its reference" in log
+
+
+def test_the_canary_policy_verifies_what_would_run_a_kernel() -> None:
+    from kernelpolicy.serving import canary
+
+    assert canary(kp.Policy.parse("prefer,SiLU=require,RMSNorm=disable"), fail=True) == kp.Policy(
+        "verify", RMSNorm="disable", on_mismatch="raise"
+    )
+    assert canary(kp.Policy.parse("prefer,RMSNorm=kernel:fast"), fail=False) == kp.Policy.parse(
+        "verify,RMSNorm=kernel:fast,on_mismatch=warn"
+    )
+    assert canary(kp.Policy.parse("disable,RMSNorm=kernel:fast"), fail=False) is None
+    assert canary(kp.Policy.parse("disable"), fail=False) is None
+    assert canary(kp.Policy.parse("verify"), fail=False) is None
+
+
+def test_a_bad_verify_sample_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    from kernelpolicy import serving
+
+    assert serving.main(["some-model", "--verify-sample", "10%"]) == 2
+    assert "--verify-sample takes a fraction from 0 to 1" in capsys.readouterr().err
