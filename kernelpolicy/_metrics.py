@@ -150,7 +150,9 @@ async def observe_request(send: Any, streamer: Any) -> Any:
 class CallMetrics:
     """A :func:`~kernelpolicy.record_calls` recorder counting every call of the model's process."""
 
-    def add(self, module: str | None, layer_name: str, path: str, reason: str, raised: str = "") -> None:
+    def add(
+        self, module: object, module_name: str | None, layer_name: str, path: str, reason: str, raised: str = ""
+    ) -> None:
         from ._dispatch import FAILED
 
         counted = metrics()
