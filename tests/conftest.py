@@ -37,6 +37,8 @@ REPO_SPECS: dict[str, dict[str, object]] = {
     "traceable": {"can_torch_compile": True, "offset": 100.0},
     "untraceable": {"can_torch_compile": False, "offset": 100.0},
     "no_backward": {"can_torch_compile": True, "has_backward": False, "offset": 100.0},
+    # traceable, adds 0.5: changes a tiny Llama's generated tokens without making them degenerate
+    "half": {"can_torch_compile": True, "offset": 0.5},
 }
 
 

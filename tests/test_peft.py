@@ -26,9 +26,7 @@ from kernelpolicy.testing import (
     kernel_calls,
     kernelize_locally,
     local_mapping,
-    rms_norm_kernel_source,
     tiny_llama,
-    write_kernel_repo,
 )
 
 peft = pytest.importorskip("peft")
@@ -55,11 +53,9 @@ ADAPTERS: dict[str, dict[str, Any]] = {
 
 
 @pytest.fixture(scope="module")
-def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def repo(kernel_repos: dict[str, Path]) -> Path:
     logging.getLogger("kernels").setLevel(logging.ERROR)
-    return write_kernel_repo(
-        tmp_path_factory.mktemp("peft"), rms_norm_kernel_source(can_torch_compile=True, offset=0.5)
-    )
+    return kernel_repos["half"]
 
 
 def _ours(repo: Path) -> Any:

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import kernelpolicy as kp
-from kernelpolicy.testing import kernelize_locally, rms_norm_kernel_source, tiny_llama, write_kernel_repo
+from kernelpolicy.testing import kernelize_locally, tiny_llama
 
 accelerate = pytest.importorskip("accelerate")
 from accelerate import cpu_offload, dispatch_model  # noqa: E402
@@ -29,11 +29,9 @@ POLICIES = ["prefer", "disable"]
 
 
 @pytest.fixture(scope="module")
-def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def repo(kernel_repos: dict[str, Path]) -> Path:
     logging.getLogger("kernels").setLevel(logging.ERROR)
-    return write_kernel_repo(
-        tmp_path_factory.mktemp("wrappers"), rms_norm_kernel_source(can_torch_compile=True, offset=0.5)
-    )
+    return kernel_repos["half"]
 
 
 def _llama(repo: Path) -> Any:
