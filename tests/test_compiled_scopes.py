@@ -136,6 +136,15 @@ def test_a_module_whose_forward_enters_a_scope_compiles_whole(norm: nn.Module) -
     assert graph_breaks() == 0 and backend.compiles == 1
 
 
+@pytest.mark.parametrize("strict", [True, False], ids=["strict", "non-strict"])
+def test_torch_export_of_a_module_whose_forward_enters_a_scope(norm: nn.Module, strict: bool) -> None:
+    """Strict export traces with TorchDynamo (the traced scope); non-strict runs the scope as Python does."""
+    program = torch.export.export(Block(norm), (X,), strict=strict)
+    out = program.module()(X)
+    torch.testing.assert_close(out, torch.full_like(out, 100.0))
+    assert _active.DEFAULTS.traced is None
+
+
 def test_a_graph_break_inside_a_scope_runs_the_frame_under_it(norm: nn.Module) -> None:
     """TorchDynamo does not resume inside a traced context manager: the frame runs eagerly, under the scope."""
     seen: list[str] = []
