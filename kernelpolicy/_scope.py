@@ -233,7 +233,7 @@ class kernel_policy:  # noqa: N801 - lowercase like numpy.errstate and decimal.l
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        if traced.compiling():
+        if DEFAULTS.traced is not None:  # entered where TorchDynamo traces (never set in eager code)
             return traced.exit(self)
         frame = _FRAMES.get()
         if frame is None or frame.scope is not self:
