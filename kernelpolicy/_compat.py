@@ -336,10 +336,11 @@ BATCHING = tuple(
 _SERVING = "transformers.cli.serving"
 _SERVING_USE = "python -m kernelpolicy serve: a request's X-Kernel-Policy header reaches the engine"
 _SERVING_FALLBACK = "serve refuses to start (it would serve every request under one policy)"
+_SERVING_SEVERAL = "serve refuses --api-server-count above 1 (its API servers would ignore the header)"
 
 
-def _serving_seam(name: str) -> Internal:
-    return Internal(_SERVING_USE, (f"{_SERVING}.{name}",), _SERVING_FALLBACK, seen=("transformers 5.25",))
+def _serving_seam(name: str, use: str = _SERVING_USE, fallback: str = _SERVING_FALLBACK) -> Internal:
+    return Internal(use, (f"{_SERVING}.{name}",), fallback, seen=("transformers 5.25",))
 
 
 #: The app factory whose app gets the header middleware.
@@ -351,6 +352,8 @@ SERVING_ENGINE = _serving_seam("model_manager.EngineClient.run_engine")
 SERVING_GENERATE = _serving_seam("utils.GenerateRunner.generate")
 SERVING_CB_GENERATE = _serving_seam("utils.CBGenerateRunner.generate")
 SERVING_RUNNERS = (SERVING_ENGINE, SERVING_GENERATE, SERVING_CB_GENERATE)
+#: The entry point of the processes transformers serve spawns: the API servers of ``--api-server-count N``.
+SERVING_API = _serving_seam("utils.run_until_parent_exits", f"{_SERVING_USE}, from each API server", _SERVING_SEVERAL)
 
 #: Every private name kernelpolicy reads.
 INTERNALS: tuple[Internal, ...] = (
@@ -377,6 +380,7 @@ INTERNALS: tuple[Internal, ...] = (
     SERVING_BUILD,
     SERVING_SEND,
     *SERVING_RUNNERS,
+    SERVING_API,
 )
 
 _MISSING = object()

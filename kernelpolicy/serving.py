@@ -6,12 +6,15 @@ streaming or not. A malformed header gets a 400 JSON error in OpenAI's shape, a 
 (``--allow-modes``, ``--allow-policy``, ``--ignore-policy-header``) a 403, and the server goes on serving.
 No header: the server's default (``KERNELPOLICY``, else ``prefer``).
 
-How the policy travels: transformers serve parses HTTP in an API server process and runs the model in an
-engine process of its own (spawned), joined by queues. This module owns the three seams:
+How the policy travels: transformers serve parses HTTP in an API server process (``--api-server-count N``: N
+of them, spawned) and runs the model in an engine process of its own (spawned), joined by queues. This module
+owns the three seams:
 
 - **API server**: a middleware reads and checks the header against the operator's rules (:mod:`kernelpolicy._access`:
   400 if malformed, 403 if not allowed) and runs the request inside that policy's scope; the engine client puts
-  the policy in effect (as text) into the request it queues;
+  the policy in effect (as text) into the request it queues. An API server of ``--api-server-count N`` is
+  spawned: it starts in this module's entry point (:func:`run_spawned`, picklable by name), which installs the
+  same before serving; the operator's rules and the metrics' folder reach it through the environment;
 - **engine process**: the engine's entry point is this module's (picklable by name, so the spawned process
   imports kernelpolicy): it makes the loaded model policy-aware (``auto_attach`` before loading, ``attach``
   after, or ``kernelize`` with the local kernel repositories of ``--kernel NAME=PATH``), and runs each
@@ -177,6 +180,28 @@ def _install_api_side() -> None:
     client.run_engine = staticmethod(run_engine)
 
 
+def _install_api_servers() -> None:
+    """With ``--api-server-count N``, the processes transformers spawns start in :func:`run_spawned`.
+
+    A spawned process gets its target pickled by qualified name, so each reference transformers serve holds to
+    ``run_until_parent_exits`` (its module's, and the engine client's module's, imported by name) is replaced:
+    one left as it was would no longer be the object its name leads to."""
+    owner, _, attribute = _compat.SERVING_API.names[0].rpartition(".")
+    original, package = _compat.lookup(_compat.SERVING_API.names[0]), owner.rpartition(".")[0]
+    for name, module in list(sys.modules.items()):
+        if name.startswith(package) and getattr(module, attribute, None) is original:
+            setattr(module, attribute, run_spawned)
+
+
+def run_spawned(target: Any, *args: Any) -> None:
+    """The entry point of a process transformers serve spawns (``run_until_parent_exits``): an API server of
+    ``--api-server-count N`` is made policy-aware first (a fresh process has none of the launcher's changes); the
+    engine's process makes itself so (its target is :func:`run_engine`)."""
+    if target is not run_engine:
+        _install_api_side()
+    _compat.lookup(_compat.SERVING_API.names[0])(target, *args)
+
+
 # --- the engine's side ------------------------------------------------------------------------------
 
 
@@ -338,17 +363,17 @@ def main(argv: list[str]) -> int:
     if not 0.0 <= sample <= 1.0:
         print(f"--verify-sample takes a fraction from 0 to 1 (0.01: 1% of requests), got {fraction!r}", file=sys.stderr)
         return 2
-    servers = _option(rest, "--api-server-count")
-    if servers not in (None, "1"):
-        print(
-            f"kernelpolicy serve: --api-server-count {servers} is not supported yet: the API server processes "
-            "transformers spawns would not read the X-Kernel-Policy header (every request would run under the "
-            "default policy); serve with one API server",
-            file=sys.stderr,
-        )
-        return 2
     if not _compat.all_present((_compat.SERVING_BUILD, _compat.SERVING_SEND, *_compat.SERVING_RUNNERS)):
         print("kernelpolicy serve: this transformers serve lacks the seams a policy travels through", file=sys.stderr)
+        return 1
+    servers = _option(rest, "--api-server-count")
+    several = servers not in (None, "1")
+    if several and not _compat.all_present((_compat.SERVING_API,)):
+        print(
+            f"kernelpolicy serve: --api-server-count {servers}: this transformers serve lacks the seam its API "
+            "server processes start through (they would not read the X-Kernel-Policy header); serve with one",
+            file=sys.stderr,
+        )
         return 1
     import importlib.util
 
@@ -372,6 +397,8 @@ def main(argv: list[str]) -> int:
 
     print(f"kernelpolicy serve: {access.describe(current_policy())}", file=sys.stderr)
     _install_api_side()
+    if several:
+        _install_api_servers()
     from transformers.cli.transformers import app
 
     app(args=["serve", *rest], prog_name="python -m kernelpolicy serve")

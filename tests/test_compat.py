@@ -33,7 +33,9 @@ def test_transformers_seams_are_present_on_the_releases_they_were_seen_in() -> N
         _compat.TRANSFORMERS_LAZY_REPOS: (5, 17),
         _compat.BATCHING_MANAGER: (5, 22),
         **dict.fromkeys(_compat.BATCHING, (5, 22)),
-        **dict.fromkeys((_compat.SERVING_BUILD, _compat.SERVING_SEND, *_compat.SERVING_RUNNERS), (5, 25)),
+        **dict.fromkeys(
+            (_compat.SERVING_BUILD, _compat.SERVING_SEND, *_compat.SERVING_RUNNERS, _compat.SERVING_API), (5, 25)
+        ),
     }
     assert set(expected) == {i for i in INTERNALS if i.names[0].startswith("transformers.")}
     serve_installed = pytest.importorskip("importlib.util").find_spec("fastapi") is not None

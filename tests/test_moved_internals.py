@@ -83,6 +83,7 @@ def test_every_kernels_and_transformers_entry_is_hidden_by_a_test_here() -> None
         "SERVING_ENGINE",
         "SERVING_GENERATE",
         "SERVING_CB_GENERATE",
+        "SERVING_API",
     }
     entries = {
         name
@@ -353,3 +354,23 @@ def test_without_a_seam_of_transformers_serve_the_command_refuses_to_start(
     assert "lacks the seams a policy travels through" in capsys.readouterr().err
     [message] = told(records, moved)
     assert "serve refuses to start" in message and message.endswith(DOCTOR)
+
+
+def test_without_the_entry_point_of_spawned_processes_several_api_servers_are_refused(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--api-server-count 2`` where transformers serve's ``run_until_parent_exits`` moved: its API servers would
+    not read the header, so the command refuses, and the doctor lists the name (one API server is unaffected)."""
+    pytest.importorskip("transformers")
+    from kernelpolicy import serving
+
+    others = (_compat.SERVING_BUILD, _compat.SERVING_SEND, *_compat.SERVING_RUNNERS)
+    if not all(_compat.first_present(seam) for seam in others):
+        pytest.skip("this transformers has not the other serve seams of 5.25: the command refuses before")
+    moved = hide(monkeypatch, "SERVING_API")
+    with warnings.catch_warnings(record=True) as records:
+        warnings.simplefilter("always")
+        assert serving.main(["model-that-is-never-loaded", "--api-server-count=2"]) == 1
+    assert "--api-server-count 2: this transformers serve lacks the seam" in capsys.readouterr().err
+    [message] = told(records, moved)
+    assert "serve refuses --api-server-count above 1" in message and message.endswith(DOCTOR)

@@ -197,14 +197,24 @@ def test_fuzzed_header_values_get_an_answer_never_an_exception(value: bytes) -> 
         assert status in (400, 403) and error is not None and error["param"] == HEADER
 
 
-@pytest.mark.parametrize("given", [["--api-server-count", "2"], ["--api-server-count=3"]])
-def test_several_api_servers_are_refused_rather_than_serving_one_policy(
-    given: list[str], capsys: pytest.CaptureFixture[str]
+def test_every_reference_to_the_spawned_processes_entry_point_leads_to_kernelpolicys(
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """``--api-server-count N``: a spawned process's target is pickled by name, so transformers' references to
+    ``run_until_parent_exits`` (its module's, the engine client's module's) all become kernelpolicy's."""
+    pytest.importorskip("fastapi")
+    import pickle
+
     from kernelpolicy import serving
 
-    assert serving.main(["some-model", *given]) == 2
-    assert "is not supported yet" in capsys.readouterr().err
+    utils = _compat.lookup(_compat.SERVING_API.names[0].rpartition(".")[0])
+    manager = _compat.lookup(_compat.SERVING_SEND.names[0].rsplit(".", 2)[0])
+    for module in (utils, manager):
+        monkeypatch.setattr(module, "run_until_parent_exits", module.run_until_parent_exits)
+    serving._install_api_servers()
+    for module in (utils, manager):
+        assert module.run_until_parent_exits is serving.run_spawned
+        assert pickle.loads(pickle.dumps(module.run_until_parent_exits)) is serving.run_spawned
 
 
 # --- the real server ----------------------------------------------------------------------------------
@@ -224,12 +234,12 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def _server(root: Any, folder: Any, repo: Any, *options: str) -> Iterator[str]:
+def _server(root: Any, folder: Any, repo: Any, *options: str, env: dict[str, str] | None = None) -> Iterator[str]:
     """``python -m kernelpolicy serve`` on 127.0.0.1 (continuous batching, ``--kernel RMSNorm=repo``); its URL."""
     import httpx
 
     port = _free_port()
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_UPDATE_CHECK": "1"}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_UPDATE_CHECK": "1", **(env or {})}
     command = [sys.executable, "-m", "kernelpolicy", "serve", str(folder), "--continuous-batching"]
     command += ["--cb-num-blocks", "64", "--cb-max-batch-tokens", "512", "--device", "cpu"]
     command += ["--host", "127.0.0.1", "--port", str(port), "--kernel", f"RMSNorm={repo}", *options]
@@ -250,7 +260,8 @@ def _server(root: Any, folder: Any, repo: Any, *options: str) -> Iterator[str]:
             time.sleep(0.5)
         yield url
     finally:
-        os.killpg(server.pid, signal.SIGTERM)  # the server and the engine it spawned, nothing else
+        with contextlib.suppress(ProcessLookupError):  # gone already: it failed to start
+            os.killpg(server.pid, signal.SIGTERM)  # the server and the processes it spawned, nothing else
         try:
             server.wait(30)
         except subprocess.TimeoutExpired:
@@ -596,3 +607,78 @@ def test_a_bad_verify_sample_is_refused(capsys: pytest.CaptureFixture[str]) -> N
 
     assert serving.main(["some-model", "--verify-sample", "10%"]) == 2
     assert "--verify-sample takes a fraction from 0 to 1" in capsys.readouterr().err
+
+
+def _by_process(folder: Any, name: str) -> dict[str, float]:
+    """Each process's own total of the counter ``name`` (its sum over labels), from the multiprocess folder's files
+    (``counter_PID.db``: one per process that counted)."""
+    import shutil
+    import tempfile
+
+    from prometheus_client import CollectorRegistry, generate_latest, multiprocess
+
+    totals: dict[str, float] = {}
+    for path in sorted(folder.glob("counter_*.db")):
+        with tempfile.TemporaryDirectory() as alone:
+            shutil.copy(path, alone)
+            registry = CollectorRegistry()
+            multiprocess.MultiProcessCollector(registry, path=alone)
+            samples = _samples(generate_latest(registry).decode())
+        total = sum(value for (sample, _), value in samples.items() if sample == name)
+        if total:
+            totals[path.stem.removeprefix("counter_")] = total
+    return totals
+
+
+@pytest.mark.slow
+@needs_serve
+def test_two_api_servers_each_read_the_header_and_the_metrics_count_both(
+    model_and_kernel: tuple[Any, Any, Any, Any], tmp_path: Any
+) -> None:
+    """``--api-server-count 2``: concurrent requests in two policies, spread by the kernel over the two API server
+    processes (one socket), each get their prompt's solo tokens under their policy; a refused policy gets its 403
+    from both; ``/metrics``, answered by either, counts the requests of both (the sum of every process's files)."""
+    import httpx
+
+    if _compat.first_present(_compat.SERVING_API) is None:
+        pytest.skip("this transformers serve has not the API servers' entry point of 5.25")
+    root, folder, repo, reference = model_and_kernel
+    model, counts = str(folder), tmp_path / "metrics"
+    counts.mkdir()
+    jobs = [(prompt, policy) for prompt in PROMPTS for policy in ("prefer", "RMSNorm=disable")]
+    expected = [solo(reference, policy, prompt) for prompt, policy in jobs]
+    assert expected[0] != expected[1]  # the two policies take different paths
+    with _server(root, folder, repo, "--api-server-count", "2", env={"PROMETHEUS_MULTIPROC_DIR": str(counts)}) as url:
+        sent = 0
+        for _ in range(3):  # which process accepts a connection is the kernel's choice: until both served
+            with ThreadPoolExecutor(len(jobs)) as pool:
+                answers = list(pool.map(lambda job: chat(url, model, job[0], job[1], stream=True), jobs))
+            sent += len(jobs)
+            assert [status for status, _ in answers] == [200] * len(jobs)
+            assert [ids(text) for _, text in answers] == expected
+            if len(_by_process(counts, "kernelpolicy_serve_requests_total")) == 2:
+                break
+        refused = 0
+        for _ in range(5):
+            with ThreadPoolExecutor(16) as pool:
+                answers = list(pool.map(lambda _: chat(url, model, PROMPTS[1], "verify"), range(16)))
+            refused += len(answers)
+            assert all(status == 403 for status, _ in answers)
+            assert all(body["error"]["code"] == "policy_not_allowed" for _, body in answers)
+            if len(_by_process(counts, "kernelpolicy_serve_errors_total")) == 2:
+                break
+        with ThreadPoolExecutor(8) as pool:  # the scrapes land on either API server: each shows the sum
+            scrapes = list(pool.map(lambda _: _samples(httpx.get(f"{url}/metrics", timeout=30).text), range(8)))
+    requests = _by_process(counts, "kernelpolicy_serve_requests_total")
+    errors = _by_process(counts, "kernelpolicy_serve_errors_total")
+    calls = _by_process(counts, "kernelpolicy_kernel_calls_total")
+    assert len(requests) == 2 and sum(requests.values()) == sent, requests  # two API servers counted requests
+    assert set(errors) == set(requests) and sum(errors.values()) == refused, errors  # each refused some
+    assert len(calls) == 1 and not set(calls) & set(requests), calls  # the model's process, a third
+    for samples in scrapes:
+        assert samples[("kernelpolicy_serve_requests_total", (("policy", "prefer"),))] == sent / 2
+        assert samples[("kernelpolicy_serve_requests_total", (("policy", "other"),))] == sent / 2
+        assert samples[("kernelpolicy_serve_generated_tokens_total", (("policy", "prefer"),))] == TOKENS * sent / 2
+        assert samples[("kernelpolicy_serve_errors_total", (("kind", "refused_policy"),))] == refused
+        assert samples[("kernelpolicy_kernel_calls_total", (("layer", "RMSNorm"), ("path", "kernel")))] > 0
+        assert samples[("kernelpolicy_kernel_calls_total", (("layer", "RMSNorm"), ("path", "original")))] > 0
