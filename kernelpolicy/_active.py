@@ -41,10 +41,12 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULTS",
+    "MIXED",
     "POLICY_CHECKS",
     "Active",
     "TracedFrame",
     "activate",
+    "activate_mixed",
     "any_variant",
     "current_policy",
     "ensure_env",
@@ -65,6 +67,10 @@ RECORD_SUFFIX: Final = "+record"
 RECORDED: dict[str, str] = {mode: f"{mode}{RECORD_SUFFIX}" for mode in MODES}
 #: The mode behind each of those entries. Variant entries (``"kernel:a|b"``) are added as policies name them.
 UNRECORDED: dict[str, str] = {f"{mode}{RECORD_SUFFIX}": mode for mode in MODES}
+#: The entry (in ``modes`` and ``kernel_on``) of a layer whose rows follow different paths in one call: a
+#: mixed step of continuous batching (``_mixing``). The forwards' fast exits do not know it; their traced
+#: branch tests ``kernel_on`` for it before testing it as a bool.
+MIXED: Final = "mixed"
 
 # Scopes. Unset means "no scope active in this context".
 _SCOPED: ContextVar[Active] = ContextVar("kernelpolicy.scoped")
@@ -105,13 +111,18 @@ class Active:
     its compiled graph (see ``_dispatch``). ``policy`` is the value the
     public API returns; recording is not part of it. ``name`` is unique in the process (:func:`named`
     finds the object): traced code reads it as a constant where an object cannot be passed on.
+
+    ``mix`` is None, except in the table of a mixed step (:func:`activate_mixed`): there it holds the step's
+    policies and rows (a ``_mixing.Members``), ``policy`` is the first of them, and each layer whose entries
+    differ between them reads :data:`MIXED`.
     """
 
-    __slots__ = ("__weakref__", "kernel_on", "modes", "name", "policy", "recording", "required", "variants")
+    __slots__ = ("__weakref__", "kernel_on", "mix", "modes", "name", "policy", "recording", "required", "variants")
 
     policy: Policy
     recording: bool
     name: str
+    mix: Any
     modes: _Entries
     kernel_on: _Entries
     required: _Entries
@@ -146,24 +157,37 @@ def layer_facts(policy: Policy, name: str) -> tuple[str, bool, bool, str]:
     return entry, mode != "disable", mode == "require", entry if entry != mode else ""
 
 
+def _mixed_facts(policies: tuple[Policy, ...], name: str) -> tuple[str, bool | str, bool, str]:
+    """The facts of layer ``name`` in a table for rows of ``policies``: theirs where they agree, else mixed."""
+    facts = {(layer_facts(policy, name), policy.options) for policy in policies}
+    if len(facts) == 1:
+        return layer_facts(policies[0], name)
+    return MIXED, MIXED, False, ""
+
+
 def _fill(active: Active, names: Iterable[str]) -> None:
     """Write the entries of ``names`` into ``active`` (never overwriting one; called with ``_INTERN_LOCK`` held)."""
     for name in names:
-        entry, kernel_on, required, variant = layer_facts(active.policy, name)
-        if entry not in RECORDED:
-            RECORDED[entry] = f"{entry}{RECORD_SUFFIX}"
-            UNRECORDED[RECORDED[entry]] = entry
-        active.modes.__dict__.setdefault(name, RECORDED[entry] if active.recording else entry)
+        facts = layer_facts(active.policy, name) if active.mix is None else _mixed_facts(active.mix.policies, name)
+        entry, kernel_on, required, variant = facts
+        if entry == MIXED:  # recorded per group of rows by the mixed call itself
+            active.modes.__dict__.setdefault(name, entry)
+        else:
+            if entry not in RECORDED:
+                RECORDED[entry] = f"{entry}{RECORD_SUFFIX}"
+                UNRECORDED[RECORDED[entry]] = entry
+            active.modes.__dict__.setdefault(name, RECORDED[entry] if active.recording else entry)
         active.kernel_on.__dict__.setdefault(name, kernel_on)
         active.required.__dict__.setdefault(name, required)
         active.variants.__dict__.setdefault(name, variant)
 
 
-def _new(policy: Policy, recording: bool) -> Active:
+def _new(policy: Policy, recording: bool, mix: Any = None) -> Active:
     """A new :class:`Active` with the entries of every known layer (called with ``_INTERN_LOCK`` held)."""
     active = object.__new__(Active)
     active.policy = policy
     active.recording = recording
+    active.mix = mix
     active.modes, active.kernel_on, active.required, active.variants = _Entries(), _Entries(), _Entries(), _Entries()
     active.name = f"table{next(_COUNT)}"
     _NAMED[active.name] = active
@@ -193,13 +217,29 @@ def activate(policy: Policy, recording: bool = False) -> Active:
         return found
 
 
+#: The tables of mixed steps alive (their owners keep them), filled as layer names become known.
+_MIXED_TABLES: weakref.WeakSet[Active] = weakref.WeakSet()
+
+
+def activate_mixed(mix: Any, recording: bool = False) -> Active:
+    """A new table for one call whose rows follow ``mix.policies`` (at least two; not interned: the caller keeps it).
+
+    A layer whose entries (and options) agree between the policies reads them; the others read :data:`MIXED`,
+    which sends their calls to ``_mixing.run_mixed``.
+    """
+    with _INTERN_LOCK:
+        active = _new(mix.policies[0], recording, mix)
+        _MIXED_TABLES.add(active)
+        return active
+
+
 def register_layer_name(name: str) -> None:
     """Make ``name`` resolvable as ``active.modes.<name>`` in every :class:`Active`, now and later."""
     if name in _KNOWN_LAYERS:
         return
     with _INTERN_LOCK:
         if name not in _KNOWN_LAYERS:
-            for active in [*_INTERNED.values(), DEFAULTS.active]:
+            for active in [*_INTERNED.values(), *_MIXED_TABLES, DEFAULTS.active]:
                 _fill(active, (name,))
             _KNOWN_LAYERS.add(name)
 

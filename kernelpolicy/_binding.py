@@ -20,7 +20,7 @@ from torch import is_grad_enabled as _grad  # noqa: F401 - read by the generated
 from torch.compiler import is_dynamo_compiling as _is_dynamo
 
 from . import _state
-from ._active import RECORD_SUFFIX, RECORDERS, in_effect, register_layer_name
+from ._active import MIXED, RECORD_SUFFIX, RECORDERS, in_effect, register_layer_name
 from ._compat import DYNAMO_DISABLE_MARK, kernel_repository
 from ._dispatch import (
     DISABLED,
@@ -39,6 +39,7 @@ from ._dispatch import (
 )
 from ._errors import KernelMismatchError, KernelUnavailableError, OriginalUnavailableError, unavailable_message
 from ._exceptions import exception_types
+from ._mixing import run_mixed
 from ._persisted import checked, persisting  # noqa: F401 - read by the generated forwards
 from ._policy import DEFAULT_VARIANT, VARIANTS, variant_names
 from ._replay import Replays
@@ -117,6 +118,7 @@ class Binding:
         "module",
         "module_class",
         "module_name",
+        "nested",
         "no_original",
         "original",
         "own",
@@ -179,6 +181,8 @@ class Binding:
         self.own: Any = getattr(type(module), "forward", None)
         #: What the forward recorded for recomputations in backward (activation checkpointing), see ``_replay``.
         self.replays = Replays(self)
+        #: Whether policy-aware layers sit inside the module (None until a mixed call asks).
+        self.nested: bool | None = None
 
     def kernel_name(self) -> str | None:
         """The bound kernel as ``explain`` shows it: its repository and layer when known, else its class; None without."""
@@ -343,12 +347,24 @@ class Binding:
         if stopped:
             self.install()
 
+    def has_aware_children(self) -> bool:
+        """Whether policy-aware layers sit inside the module (asked once)."""
+        if self.nested is None:
+            self.nested = any(BINDING in m.__dict__ for m in self.module.modules() if m is not self.module)
+        return self.nested
+
+    def mixed(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A call whose rows follow different policies (a mixed step of continuous batching, see ``_mixing``)."""
+        return run_mixed(self, args, kwargs)
+
     def slow_path(
         self, mode: str, args: tuple[Any, ...], kwargs: dict[str, Any], state: ExecutionState | None = None
     ) -> Any:
         """Every call the fast exits of the forward closure do not take."""
         if type(self.module).forward is not self.own and not _is_dynamo():  # the class was patched: its original
             return self.patched(args, kwargs)
+        if mode == MIXED:
+            return run_mixed(self, args, kwargs)
         if mode == KERNEL_ON:
             mode = self._compiled_mode(args, kwargs)
         recording = mode.endswith(RECORD_SUFFIX)  # traced: a string test, no guard on UNRECORDED (see there)

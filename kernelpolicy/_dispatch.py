@@ -226,6 +226,8 @@ _BODIES: dict[str, str] = {
         active = DEFAULTS.active._current
         if _is_dynamo():
             active = in_effect()
+            if {kernel_on} == "mixed":
+                return mixed({pack})
             out = kernel(self, {call}) if {kernel_on} else (original(self, {call}) if type(self).forward is own else type(self).forward(self, {call}))
             return checked(out, active, {name}, "k") if persisting() else out
         mode = {lookup}
@@ -249,6 +251,8 @@ _BODIES: dict[str, str] = {
         active = DEFAULTS.active._current
         if _is_dynamo():
             active = in_effect()
+            if {kernel_on} == "mixed":
+                return mixed({pack})
             if traceable and {kernel_on}:
                 out = slow("require" if {required} else "prefer", {pack})
             elif not traceable and {required}:
@@ -279,6 +283,8 @@ _BODIES: dict[str, str] = {
         active = DEFAULTS.active._current
         if _is_dynamo():
             active = in_effect()
+            if {kernel_on} == "mixed":
+                return mixed({pack})
             out = slow(KERNEL_ON, {pack}) if {kernel_on} else (original(self, {call}) if type(self).forward is own else type(self).forward(self, {call}))
             return checked(out, active, {name}, "krv") if persisting() else out
         mode = {lookup}
@@ -301,7 +307,9 @@ _BODIES: dict[str, str] = {
                 return failed(error, {pack})
         return slow(mode, {pack})""",
 }
-_CELLS = "original, kernel, slow, unsupported, failed, has_backward, traceable, refused, replay, last, own, patched"
+_CELLS = (
+    "original, kernel, slow, unsupported, failed, has_backward, traceable, refused, replay, last, own, patched, mixed"
+)
 _FACTORIES: dict[tuple[str, str, str, str, str], Callable[..., Callable[..., Any]]] = {}
 
 
@@ -346,7 +354,7 @@ def forward_source(variant: str, function: Callable[..., Any], layer_name: str) 
     variants for ``forward(self, hidden_states)``):
 
     >>> print(forward_source("without_kernel", lambda self, x: x, "Double"))  # doctest: +NORMALIZE_WHITESPACE
-    def make(original, kernel, slow, unsupported, failed, has_backward, traceable, refused, replay, last, own, patched):
+    def make(original, kernel, slow, unsupported, failed, has_backward, traceable, refused, replay, last, own, patched, mixed):
         def forward(self, x):
             active = DEFAULTS.active._current
             if _is_dynamo():
@@ -422,6 +430,7 @@ def make_forward(binding: Binding) -> Callable[..., Any]:
         None,
         binding.own,
         binding.patched,
+        binding.mixed,
     )
     forward.__qualname__ = f"kernelpolicy.{variant}.forward"
     freevars = forward.__code__.co_freevars

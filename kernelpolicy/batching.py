@@ -6,18 +6,24 @@ manager's thread defaults to. This module owns the seam (:func:`policy_aware`), 
 once kernelpolicy has attached a transformers model (``attach``, ``kernelize``, ``auto_attach``), or by hand:
 
 - **each request carries the policy in effect where it was submitted** (``add_request``, ``add_requests``,
-  ``generate_batch`` inside a scope), and the ``record_calls`` recorders active there;
-- **each forward step runs under exactly one policy**: the manager's own scheduler (``fifo``,
-  ``prefill_first``, any of ``SCHEDULER_MAPPING``) schedules one policy's requests per step, the policies
-  taking turns (round robin over the policies with work), so no policy starves; prefill and decode alike;
-- **recorders count per request**: a step's calls are counted by the recorders of the requests it serves;
-- **a policy's error fails only its requests**: ``require`` (``KernelUnavailableError``) or ``verify``
-  (``KernelMismatchError``) raised in a step fails the requests of that step, with the error, and the manager
-  goes on serving the others;
+  ``generate_batch`` inside a scope), and the ``record_calls`` recorders active there; a request that
+  transformers offloads under cache pressure keeps both when it is scheduled again;
+- **one forward step serves every policy**: the manager's own scheduler (``fifo``, ``prefill_first``, any of
+  ``SCHEDULER_MAPPING``) sees every request, and in each policy-aware layer whose paths differ between the
+  step's policies each request's rows take its own policy's path (``kernelpolicy._mixing``: the rows and
+  their policies come with the step's batch, per batch; under ``torch.compile`` they are an input, so one
+  program serves every mix). A layer whose rows are declared neither by token nor by request
+  (:func:`kernelpolicy.declare_rows`) is never mixed: steps where it would be are grouped by policy, the
+  groups taking turns (round robin), and transformers' offloading still sees every request;
+- **recorders count per request**: a call counts for each request's recorders on that request's path;
+- **a policy's error fails only its requests**: an error raised by the rows of some policies in a mixed step
+  (a kernel's exception, ``require``'s ``KernelUnavailableError``, ``verify``'s ``KernelMismatchError``)
+  fails the requests of those policies, and the step runs again without them, so the others get their
+  tokens; in a step of one policy, ``require`` or ``verify`` failing fails that step's requests;
 - **prefix sharing keeps policies apart**: a KV block computed under one policy is never reused by a
   request of another (the block hashes of all but the first policy a manager sees are salted);
 - **warm-up covers each policy served**: ``policy_aware(manager, policies=[...])`` runs the manager's warm-up
-  (compile, CUDA graphs) once per policy.
+  (compile, CUDA graphs) once per policy, and once for their mix when the steps are compiled.
 
 Nothing changes for a manager whose requests all carry one policy: its steps are scheduled, hashed and run
 as without kernelpolicy, under that policy.
@@ -34,28 +40,43 @@ import collections
 import functools
 import itertools
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
 
 from . import _compat
-from ._active import RECORDERS, current_policy
+from ._active import RECORDERS, activate, current_policy
 from ._attach import ATTACH_HOOKS
 from ._errors import KernelMismatchError, KernelUnavailableError, PolicyError
-from ._scope import _recording_scope, kernel_policy
+from ._mixing import ROWS, MixedCallError, Step, mixable, mixed_scope
+from ._scope import kernel_policy
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
 
+    from ._active import Active
     from ._policy import Policy
 
 __all__ = ["policy_aware", "request_policy"]
 
-#: Errors a policy raises in a forward: they fail the requests of that policy's step, not the manager.
+#: Errors a policy raises in a forward: in a step of one policy they fail that step's requests, not the manager.
 POLICY_ERRORS: tuple[type[Exception], ...] = (KernelUnavailableError, KernelMismatchError)
 
 _MARK = "_kernelpolicy_requests"
 #: Whether the KV block hashes of a manager's second and later policies are salted (tests switch it off).
 _SALT = True
 _CHILD = "__child#"  # transformers' ids of a request's forked children: "<parent>__child#<i>"
+
+
+class _Batch(NamedTuple):
+    """What one prepared batch runs under: its table, the recorders of its requests, its rows' slots."""
+
+    table: Active
+    recorders: tuple[Any, ...]
+    rows: torch.Tensor  # each row's slot (a view of the batch's own buffer)
+    host_rows: list[int]
+    slot_recorders: dict[int, tuple[Any, ...]]
+    requests: dict[str, int]  # request id -> slot
 
 
 class _Requests:
@@ -70,10 +91,11 @@ class _Requests:
         self.salts: dict[Policy, int] = {}
         self.policies = policies  # warmed up
         self.turn = itertools.count()
-        self.step: tuple[Policy, tuple[Any, ...]] | None = None  # the policy and recorders of the step scheduled
-        #: The policy of each step scheduled, the last 10,000 (what an operator or a test reads).
-        self.history: collections.deque[Policy] = collections.deque(maxlen=10_000)
-        self.failed = False  # the last step raised a policy's error: its update is skipped
+        #: The policies each step served, the last 10,000 (what an operator or a test reads).
+        self.history: collections.deque[tuple[Policy, ...]] = collections.deque(maxlen=10_000)
+        #: What requests transformers finished in this turn of its loop had: an offloaded request is finished, then
+        #: queued again at once, and gets it back (cleared at the next turn).
+        self.finished: dict[str, tuple[Policy, tuple[Any, ...]]] = {}
 
     def submitted(self, request_id: str) -> None:
         policy, recorders = current_policy(), RECORDERS.get()
@@ -103,7 +125,16 @@ class _Requests:
     def forget(self, request_id: str) -> None:
         if _CHILD not in request_id:
             with self.lock:
-                self.by_id.pop(request_id, None)
+                found = self.by_id.pop(request_id, None)
+            if found is not None:
+                self.finished[request_id] = found
+
+    def queued_again(self, request_id: str) -> None:
+        """transformers queued a request it had just finished (an offload): it keeps its policy and recorders."""
+        found = self.finished.pop(request_id, None)
+        if found is not None:
+            with self.lock:
+                self.by_id.setdefault(request_id, found)
 
 
 def request_policy(manager: Any, request_id: str) -> Policy | None:
@@ -157,93 +188,244 @@ def policy_aware(manager: Any, *, policies: Iterable[Policy | str] = ()) -> Any:
     return manager
 
 
+class _Rows:
+    """The rows of a processor's batches: each prepared batch's slots, in a buffer of its own IO pair."""
+
+    def __init__(self, processor: Any, requests: _Requests) -> None:
+        self.requests = requests
+        self.step = Step(processor.model_device)
+        self.static = bool(processor.model_runner.pad_inputs)  # compiled or CUDA graphs: one program for every mix
+        self.ios = processor.inputs_and_outputs
+        self.buffers: dict[int, torch.Tensor] = {}
+        self.batches: dict[int, _Batch] = {}  # by IO pair: the batch prepared in it, until its step runs
+        self.size = int(processor.max_batch_tokens)
+
+    def pair(self) -> int:
+        return int(getattr(self.ios, "current_pair", 0))  # async batching alternates two IO pairs
+
+    def prepared(self, requests_in_batch: list[Any], rows: int) -> _Batch:
+        """The batch of ``requests_in_batch`` (``rows`` rows, padding included): its slots and its table."""
+        step, by_id = self.step, {}
+        host_rows: list[int] = []
+        slot_recorders: dict[int, tuple[Any, ...]] = {}
+        everyone: dict[Any, None] = {}
+        for future in requests_in_batch:
+            policy, recorders = self.requests.of(future.state.request_id)
+            slot = by_id[future.state.request_id] = step.slot(policy)
+            host_rows.extend(itertools.repeat(slot, future.query_length))
+            if recorders:
+                slot_recorders[slot] = tuple(dict.fromkeys((*slot_recorders.get(slot, ()), *recorders)))
+                everyone.update(dict.fromkeys(recorders))
+        host_rows.extend(itertools.repeat(host_rows[-1] if host_rows else 0, max(0, rows - len(host_rows))))
+        recorders = tuple(everyone)
+        table = self.table(tuple(sorted(set(by_id.values()))), bool(recorders))
+        pair = self.pair()
+        buffer = self.buffers.get(pair)
+        if buffer is None or buffer.shape[0] < len(host_rows):
+            buffer = self.buffers[pair] = torch.zeros(
+                max(self.size, len(host_rows)), dtype=torch.long, device=step.device
+            )
+        view = buffer[: len(host_rows)]
+        view.copy_(torch.tensor(host_rows, dtype=torch.long), non_blocking=True)
+        return _Batch(table, recorders, view, host_rows, slot_recorders, by_id)
+
+    def table(self, slots: tuple[int, ...], recording: bool) -> Active:
+        """One policy's table, or the mixed table of the slots (of every policy served, when steps are static)."""
+        step = self.step
+        if self.static and len(step.policies) > 1 and not recording and mixable(tuple(step.policies)):
+            return step.table(tuple(range(len(step.policies))), recording)
+        if len(slots) == 1:
+            return activate(step.policies[slots[0]], recording)
+        return step.table(slots, recording)
+
+    def begin(self, batch: _Batch) -> None:
+        self.step.begin(batch.rows, batch.host_rows, batch.slot_recorders)
+
+
 def _wrap_processor(processor: Any, requests: _Requests) -> None:
     if getattr(processor, _MARK, None) is requests:
         return  # the same processor, reset for a new run
     setattr(processor, _MARK, requests)
-    _group_by_policy(processor.scheduler, requests)
+    _schedule_every_policy(processor.scheduler, requests)
     _salt_prefix_hashes(processor.cache, requests)
-    step, update, warmup = processor._generation_step, processor.update_batch, processor.warmup
+    rows = _Rows(processor, requests)
+    ios = processor.inputs_and_outputs
+    prepare, batch_update = ios.prepare_batch_tensors, ios.prepare_batch_update
+    step, warmup = processor._generation_step, processor.warmup
     use_async = bool(getattr(processor, "use_async_batching", False))
+    failed: dict[str, Exception] = {}  # the requests a policy's error failed in the step that ran last
+
+    def prepare_batch_tensors(
+        requests_in_batch: list[Any],
+        logits_processors: Any,
+        use_decode_fast_path: bool,
+        num_q_tokens: int,
+        max_kv_read: int,
+        use_padding: bool,
+    ) -> None:
+        prepare(requests_in_batch, logits_processors, use_decode_fast_path, num_q_tokens, max_kv_read, use_padding)
+        batch = rows.prepared(requests_in_batch, num_q_tokens)
+        rows.batches[rows.pair()] = batch
+        if not use_async:
+            rows.begin(batch)  # warm-up computes right after preparing, without a generation step
+        requests.history.append(tuple(rows.step.policies[s] for s in sorted(set(batch.requests.values()))))
 
     def generation_step(model: Any) -> None:
-        policy, recorders = requests.step or (current_policy(), ())
-        requests.failed = False
-        with _recording_scope(policy, recording=True if recorders else None, recorders=recorders):
+        failed.clear()
+        batch = rows.batches.pop(rows.pair(), None)
+        if batch is None:  # nothing prepared by kernelpolicy's seam: the policy in effect
+            step(model)
+            return
+        rows.begin(batch)
+        while True:
             try:
-                step(model)
+                with mixed_scope(batch.table, batch.recorders):
+                    step(model)
+                return
+            except MixedCallError as error:
+                if use_async:
+                    raise error.error from error  # async batching updates a step late: transformers fails every request
+                batch = _without(rows, batch, error, failed)
+                if batch is None:
+                    return
+                rows.begin(batch)
             except POLICY_ERRORS as error:
                 if use_async:
-                    raise  # async batching updates a step late: transformers fails every request
-                requests.failed = True
-                processor.handle_batch_error(error)  # fails this step's requests, frees their blocks
+                    raise
+                for request_id in batch.requests:
+                    failed[request_id] = error
+                return
 
-    def update_batch() -> None:
-        if requests.failed:
-            requests.failed = False  # the failed step's requests are done: nothing to update
-            return
-        update()
+    def prepare_batch_update() -> Any:
+        in_batch, tokens, logprobs = batch_update()
+        if not failed:
+            return in_batch, tokens, logprobs
+        kept, kept_tokens, kept_logprobs, index = [], [], [], 0
+        for future in in_batch:
+            if future.has_new_token:
+                index += 1
+            if future.state.request_id in failed:
+                continue
+            kept.append(future)
+            if future.has_new_token:
+                kept_tokens.append(tokens[index - 1])
+                if logprobs is not None:
+                    kept_logprobs.append(logprobs[index - 1])
+        for future in in_batch:
+            error = failed.get(future.state.request_id)
+            if error is not None:
+                processor._handle_request_error(error, future.state)
+                processor.scheduler.finish_request(future.state.request_id)
+        failed.clear()
+        return kept, kept_tokens, None if logprobs is None else kept_logprobs
 
     def warm_up(model: Any) -> None:
         warmup(model)
         for policy in requests.policies:
             with kernel_policy(policy):
                 warmup(model)
+        served = (current_policy(), *requests.policies)
+        if rows.static and len(set(served)) > 1:
+            for policy in served:
+                rows.step.slot(policy)
+            if mixable(tuple(rows.step.policies)):
+                table = rows.table(tuple(range(len(rows.step.policies))), False)
+                with mixed_scope(table, ()):
+                    warmup(model)  # the program of the mix, which every mixed step runs
 
+    ios.prepare_batch_tensors = prepare_batch_tensors
+    ios.prepare_batch_update = prepare_batch_update
     processor._generation_step = generation_step
-    processor.update_batch = update_batch
     processor.warmup = warm_up
 
 
-def _group_by_policy(scheduler: Any, requests: _Requests) -> None:
-    """Each ``schedule_batch`` schedules the requests of one policy (the policies with work taking turns)."""
+def _without(rows: _Rows, batch: _Batch, error: MixedCallError, failed: dict[str, Exception]) -> _Batch | None:
+    """``batch`` again without the requests of the policies that raised: their rows run another's path, unused."""
+    step = rows.step
+    bad = {step.slot(policy) for policy in error.policies}
+    for request_id, slot in batch.requests.items():
+        if slot in bad:
+            failed[request_id] = error.error
+    kept = {i: s for i, s in batch.requests.items() if s not in bad}
+    if not kept:
+        return None
+    stand_in = next(iter(kept.values()))
+    host_rows = [stand_in if slot in bad else slot for slot in batch.host_rows]
+    batch.rows.copy_(torch.tensor(host_rows, dtype=torch.long))
+    slot_recorders = {s: r for s, r in batch.slot_recorders.items() if s not in bad}
+    recorders = tuple(dict.fromkeys(r for group in slot_recorders.values() for r in group))
+    table = rows.table(tuple(sorted(set(kept.values()))), bool(recorders))
+    return _Batch(table, recorders, batch.rows, host_rows, slot_recorders, kept)
+
+
+def _schedule_every_policy(scheduler: Any, requests: _Requests) -> None:
+    """``schedule_batch`` sees every request, except where the policies with work cannot share a step (a layer
+    whose rows are not declared differs between them): there each step schedules one class of policies that
+    can, the classes taking turns."""
     schedule, finish, clear = scheduler.schedule_batch, scheduler.finish_request, scheduler.clear_cancelled_requests
+    add = scheduler.add_waiting_request
 
     def schedule_batch(token_budget: int, cache_budget: int) -> Any:
-        groups: dict[Policy, None] = {}
+        with_work: dict[Policy, None] = {}
         for request_id in itertools.chain(scheduler.active_requests, scheduler.waiting_requests_order):
-            groups.setdefault(requests.of(request_id)[0], None)
-        if len(groups) <= 1:
-            result = schedule(token_budget, cache_budget)
-            chosen = next(iter(groups), current_policy())
-        else:
-            ordered = list(groups)
-            chosen = ordered[next(requests.turn) % len(ordered)]
+            with_work.setdefault(requests.of(request_id)[0], None)
+        classes = _classes(tuple(with_work))
+        if len(classes) <= 1:
+            return schedule(token_budget, cache_budget)
+        first = next(requests.turn) % len(classes)
+        result = None
+        for chosen in classes[first:] + classes[:first]:
             result = _scheduled_among(scheduler, schedule, requests, chosen, token_budget, cache_budget)
-        scheduled = result[0] or []
-        recorders = tuple(dict.fromkeys(r for future in scheduled for r in requests.of(future.state.request_id)[1]))
-        requests.step = (chosen, recorders)
-        if scheduled:
-            requests.history.append(chosen)
+            if result[0] is not None:
+                return result  # else the next class: transformers offloads only once none can be scheduled
         return result
 
-    def finish_request(request_id: str) -> None:
-        finish(request_id)
+    def finish_request(request_id: str, *args: Any, **kwargs: Any) -> None:
+        finish(request_id, *args, **kwargs)
         requests.forget(request_id)
 
-    def clear_cancelled_requests() -> Any:
-        cancelled = clear()
+    def add_waiting_request(state: Any, *args: Any, **kwargs: Any) -> None:
+        requests.queued_again(state.request_id)
+        add(state, *args, **kwargs)
+
+    def clear_cancelled_requests(*args: Any, **kwargs: Any) -> Any:
+        requests.finished.clear()  # a new turn of transformers' loop
+        cancelled = clear(*args, **kwargs)
         for state in cancelled:
             requests.forget(state.request_id)
         return cancelled
 
     scheduler.schedule_batch = schedule_batch
     scheduler.finish_request = finish_request
+    scheduler.add_waiting_request = add_waiting_request
     scheduler.clear_cancelled_requests = clear_cancelled_requests
+
+
+def _classes(policies: tuple[Policy, ...]) -> list[frozenset[Policy]]:
+    """``policies`` in classes that may share a step: the same entries and options on every undeclared layer."""
+    if len(policies) <= 1 or mixable(policies):
+        return [frozenset(policies)]
+    from ._active import known_layers
+
+    undeclared = sorted(known_layers() - set(ROWS))
+    keyed: dict[tuple[Any, ...], list[Policy]] = {}
+    for policy in policies:
+        keyed.setdefault(tuple((policy.entry_for(n), policy.options) for n in undeclared), []).append(policy)
+    return [frozenset(group) for group in keyed.values()]
 
 
 def _scheduled_among(
     scheduler: Any,
     schedule: Callable[[int, int], Any],
     requests: _Requests,
-    chosen: Policy,
+    chosen: frozenset[Policy],
     token_budget: int,
     cache_budget: int,
 ) -> Any:
     """The scheduler's own ``schedule_batch`` with the requests of other policies set aside, then put back."""
     order = list(scheduler.waiting_requests_order)
-    hidden_active = {i: s for i, s in scheduler.active_requests.items() if requests.of(i)[0] != chosen}
-    hidden_waiting = {i: s for i, s in scheduler.waiting_requests.items() if requests.of(i)[0] != chosen}
+    hidden_active = {i: s for i, s in scheduler.active_requests.items() if requests.of(i)[0] not in chosen}
+    hidden_waiting = {i: s for i, s in scheduler.waiting_requests.items() if requests.of(i)[0] not in chosen}
     for request_id in hidden_active:
         del scheduler.active_requests[request_id]
     for request_id in hidden_waiting:

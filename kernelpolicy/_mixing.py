@@ -1,0 +1,333 @@
+"""Mixed calls: one forward call whose rows follow several policies (one continuous-batching step for all).
+
+This module owns:
+
+- the row declarations (:func:`declare_rows`, :data:`ROWS`): how a kernel layer's output rows depend on its
+  input rows, so that rows of different policies may share one call. ``"token"``: each row on its own (norms,
+  activations, MLPs, MoE, rotary embedding); ``"request"``: the rows of one request together (attention over
+  a request's own tokens, by the batch's sequence boundaries). A layer declared by neither is never mixed:
+  the batching scheduler groups the steps where its paths would differ (``kernelpolicy.batching``);
+- how the paths of a mixed call are joined (:data:`JOINS`): ``"select"`` runs each path on every row and
+  keeps each row's own (``torch.where``: static shapes, what compiled programs and CUDA graphs need);
+  ``"split"`` runs each path on its own rows only (less work, shapes that vary from step to step);
+- :class:`Step` and :class:`Members`, what a mixed step carries: its policies by slot, each row's slot as a
+  tensor (a per-batch input, so one compiled program serves every mix), per slot the recorders of its
+  requests; :func:`mixed_scope`, the scope a step runs in;
+- :func:`run_mixed`, one call of a layer whose entries differ between the step's policies.
+
+In eager code each group of rows (the policies that agree on the layer) runs the module's own dispatch under
+its policy, so ``require``, ``verify``, ``fallback_on``, variants and ``record_calls`` behave per group as
+they do for a whole call; an error a group raises comes out as :class:`MixedCallError` naming the group's
+policies, so the batching fails only their requests. Under TorchDynamo the program computes the kernel and
+the original on every row and selects by a per-slot table (an input too): no guard depends on the mix.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import TYPE_CHECKING, Any, Final, Literal, NamedTuple, final
+
+import torch
+from torch.compiler import is_dynamo_compiling as _is_dynamo
+
+from ._active import _SCOPED, RECORDERS, Active, activate_mixed, in_effect, known_layers
+from ._errors import PolicyError
+from ._scope import _recording_scope
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+    from ._binding import Binding
+    from ._policy import Policy
+
+__all__ = [
+    "JOINS",
+    "ROWS",
+    "MixedCallError",
+    "Rows",
+    "Step",
+    "declare_rows",
+    "mixable",
+    "mixed_scope",
+    "run_mixed",
+]
+
+Kind = Literal["token", "request"]
+Join = Literal["select", "split"]
+KINDS: Final = ("token", "request")
+JOINS: Final = ("select", "split")
+
+
+class Rows(NamedTuple):
+    """How a kernel layer's rows may be mixed: ``by`` (token or request), the row axis of its tensors, the join."""
+
+    by: Kind
+    #: The axis of the rows (tokens) in the layer's tensor arguments and outputs, counted from the end.
+    dim: int = -2
+    #: How eager calls join the paths; compiled programs always select (static shapes).
+    join: Join = "select"
+
+
+#: Kernel layer name -> its declaration. The layers transformers maps to hub kernels come declared; the joins
+#: are chosen by ``python -m benchmarks.mixing`` (docs/serving.md, "What mixing costs").
+ROWS: dict[str, Rows] = {
+    **{
+        name: Rows("token")
+        for name in (
+            "RMSNorm",
+            "RMSNormGated",
+            "RMSNormZeroCentered",
+            "LayerNorm",
+            "SiLU",
+            "GeLU",
+            "GeluTanh",
+            "FastGELU",
+            "QuickGELU",
+            "NewGELU",
+            "rotary_pos_emb",
+        )
+    },
+    **{name: Rows("token", join="split") for name in ("MLP", "LlamaMLP", "MegaBlocksMoeMLP", "SoftmaxTopKRouter")},
+    # transformers' attention functions return (batch, tokens, heads, head_dim): the rows are axis -3.
+    "attention": Rows("request", dim=-3),
+}
+_LOCK = threading.Lock()
+
+
+def declare_rows(layer_name: str, by: Kind, *, dim: int = -2, join: Join = "select") -> None:
+    """Declare how the rows of kernel layer ``layer_name`` may follow different policies in one call.
+
+    ``by="token"``: each output row depends on its own input row only (a norm, an activation, an MLP).
+    ``by="request"``: on the rows of its own request (attention over a request's tokens). ``dim`` is the row
+    axis of the layer's tensor arguments and outputs, from the end; ``join`` how eager calls join the paths
+    (``"select"``: both paths on every row, then ``torch.where``; ``"split"``: each path on its own rows).
+    A layer declared by neither keeps its steps grouped by policy in continuous batching.
+
+    >>> import kernelpolicy
+    >>> kernelpolicy.declare_rows("MyNorm", by="token")
+    """
+    from ._policy import check_layer_name
+
+    check_layer_name(layer_name)
+    if by not in KINDS:
+        raise PolicyError(f"declare_rows({layer_name!r}): by={by!r} is not one of {', '.join(map(repr, KINDS))}")
+    if join not in JOINS:
+        raise PolicyError(f"declare_rows({layer_name!r}): join={join!r} is not one of {', '.join(map(repr, JOINS))}")
+    if not isinstance(dim, int) or isinstance(dim, bool) or dim >= 0:
+        raise PolicyError(
+            f"declare_rows({layer_name!r}): dim={dim!r} must be a negative int (the row axis from the end)"
+        )
+    if by == "request" and join == "split":
+        raise PolicyError(
+            f"declare_rows({layer_name!r}): a layer whose rows go by request joins by 'select' (a split would need "
+            "the batch's sequence boundaries cut too)"
+        )
+    with _LOCK:
+        ROWS[layer_name] = Rows(by, dim, join)
+
+
+def mixable(policies: tuple[Policy, ...], layers: frozenset[str] | None = None) -> bool:
+    """Whether rows of ``policies`` may share one call: every known layer they disagree on is declared."""
+    names = known_layers() if layers is None else layers
+    for name in names:
+        if name in ROWS:
+            continue
+        first = policies[0]
+        facts = (first.entry_for(name), first.options)
+        if any((policy.entry_for(name), policy.options) != facts for policy in policies[1:]):
+            return False
+    return True
+
+
+class MixedCallError(Exception):
+    """A group of rows of a mixed call raised ``error``: the requests of ``policies`` failed, no others."""
+
+    def __init__(self, policies: tuple[Policy, ...], error: Exception) -> None:
+        super().__init__(f"{type(error).__name__}: {error} (rows of {', '.join(repr(str(p)) for p in policies)})")
+        self.policies = policies
+        self.error = error
+
+
+class _Group(NamedTuple):
+    scope: Any  # the scope of the group's first policy (they agree on the layer), with the group's recorders
+    policies: tuple[Policy, ...]
+    mask: torch.Tensor  # (rows,) bool: the group's rows
+    rows: torch.Tensor | None  # the group's rows, for a split join
+
+
+@final
+class Step:
+    """The rows of one batching manager's current step (one per manager; its steps run in one thread).
+
+    ``policies`` lists every policy the manager has served, by slot (a slot is never reused). ``rows`` holds
+    each row's slot (a view of the manager's per-batch buffer: padding rows hold slot 0), ``host_rows`` the
+    same on the host, ``recorders`` each slot's requests' recorders.
+    """
+
+    __slots__ = ("_plans", "device", "host_rows", "policies", "recorders", "rows", "slot_of", "tables")
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.policies: list[Policy] = []
+        self.slot_of: dict[Policy, int] = {}
+        self.rows = torch.zeros(0, dtype=torch.long, device=device)
+        self.host_rows: list[int] = []
+        self.recorders: dict[int, tuple[Any, ...]] = {}
+        #: The table of each set of slots served together (their owner: this step).
+        self.tables: dict[tuple[tuple[int, ...], bool], Active] = {}
+        self._plans: dict[tuple[str, bool, tuple[int, ...]], list[_Group]] = {}
+
+    def slot(self, policy: Policy) -> int:
+        found = self.slot_of.get(policy)
+        if found is None:
+            found = self.slot_of[policy] = len(self.policies)
+            self.policies.append(policy)
+        return found
+
+    def begin(self, rows: torch.Tensor, host_rows: list[int], recorders: dict[int, tuple[Any, ...]]) -> None:
+        """A new step: its rows' slots (device and host) and the recorders of each slot's requests."""
+        self.rows, self.host_rows, self.recorders = rows, host_rows, recorders
+        self._plans.clear()
+
+    def table(self, slots: tuple[int, ...], recording: bool) -> Active:
+        """The table of a step serving the policies of ``slots`` (two or more), made once per set."""
+        key = (slots, recording)
+        found = self.tables.get(key)
+        if found is None:
+            found = self.tables[key] = activate_mixed(Members(self, slots), recording)
+        return found
+
+    def plan(self, binding: Binding, members: Members, rows: Rows) -> list[_Group]:
+        """The groups of rows of ``binding``'s layer in this step (cached per layer for the step)."""
+        nested = binding.has_aware_children()
+        key = (binding.layer_name, nested, members.slots)
+        found = self._plans.get(key)
+        if found is not None:
+            return found
+        name = binding.layer_name
+        keyed: dict[Any, list[int]] = {}
+        for slot in members.slots:
+            policy = self.policies[slot]
+            # A layer with policy-aware layers inside runs once per policy (they may differ there).
+            group_key = policy if nested else (policy.entry_for(name), policy.options)
+            keyed.setdefault(group_key, []).append(slot)
+        groups = []
+        positions = torch.arange(len(self.host_rows))
+        host = torch.tensor(self.host_rows, dtype=torch.long)
+        for slots in keyed.values():
+            chosen = torch.zeros(len(self.policies), dtype=torch.bool)
+            chosen[slots] = True
+            host_mask = chosen[host]
+            recorders = tuple(dict.fromkeys(r for slot in slots for r in self.recorders.get(slot, ())))
+            index = positions[host_mask].to(self.device) if rows.join == "split" else None
+            scope = _recording_scope(self.policies[slots[0]], recording=bool(recorders), recorders=recorders)
+            groups.append(_Group(scope, tuple(self.policies[s] for s in slots), host_mask.to(self.device), index))
+        self._plans[key] = groups
+        return groups
+
+
+@final
+class Members:
+    """What a mixed step's table carries (``Active.mix``): the policies served together and where their rows are."""
+
+    __slots__ = ("kernel_slots", "policies", "slots", "step")
+
+    def __init__(self, step: Step, slots: tuple[int, ...]) -> None:
+        self.step = step
+        self.slots = slots
+        self.policies = tuple(step.policies[slot] for slot in slots)
+        #: Per layer name, whether each slot's policy has the kernel on (what a compiled program selects by).
+        self.kernel_slots: dict[str, torch.Tensor] = {}
+
+    def kernel_on(self, name: str) -> torch.Tensor:
+        found = self.kernel_slots.get(name)
+        if found is None:
+            policies = self.step.policies
+            on = [slot in self.slots and policies[slot].mode_for(name) != "disable" for slot in range(len(policies))]
+            found = self.kernel_slots[name] = torch.tensor(on, dtype=torch.bool, device=self.step.device)
+        return found
+
+
+@contextlib.contextmanager
+def mixed_scope(active: Active, recorders: tuple[Any, ...]) -> Iterator[None]:
+    """Put a step's table (plain or mixed) in effect for the step, with the recorders of its requests."""
+    token = _SCOPED.set(active)
+    recording = RECORDERS.set(recorders)
+    try:
+        yield
+    finally:
+        RECORDERS.reset(recording)
+        _SCOPED.reset(token)
+
+
+def run_mixed(binding: Binding, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """One call of ``binding``'s module whose rows follow different paths (its entry is ``MIXED``)."""
+    members: Members = in_effect().mix
+    rows = ROWS.get(binding.layer_name, Rows("request"))  # an undeclared layer is grouped by the scheduler
+    step = members.step
+    if _is_dynamo():
+        original = binding.original(binding.module, *args, **kwargs)
+        if binding.kernel is None or not binding.can_torch_compile:
+            return original
+        on = members.kernel_on(binding.layer_name)[step.rows]
+        return _select(on, binding.kernel(binding.module, *args, **kwargs), original, rows.dim)
+    groups = step.plan(binding, members, rows)
+    outputs = []
+    for group in groups:
+        if group.rows is None:
+            call_args, call_kwargs = args, kwargs
+        else:
+            call_args, call_kwargs = _taken(args, kwargs, group.rows, rows.dim, len(step.host_rows))
+        try:
+            with group.scope:
+                outputs.append(binding.dispatcher(*call_args, **call_kwargs))
+        except Exception as error:
+            raise MixedCallError(group.policies, error) from error
+    if rows.join == "split":
+        return _joined(groups, outputs, rows.dim, len(step.host_rows))
+    out = outputs[-1]
+    for group, output in zip(groups[-2::-1], outputs[-2::-1], strict=True):
+        out = _select(group.mask, output, out, rows.dim)
+    return out
+
+
+def _select(mask: torch.Tensor, chosen: Any, other: Any, dim: int) -> Any:
+    """``chosen`` where ``mask`` (one entry per row along ``dim``), else ``other``; through tuples and lists."""
+    if isinstance(chosen, torch.Tensor):
+        shape = [1] * chosen.dim()
+        shape[dim] = mask.shape[0]
+        return torch.where(mask.view(shape), chosen, other)
+    if isinstance(chosen, (tuple, list)):
+        return type(chosen)(_select(mask, a, b, dim) for a, b in zip(chosen, other, strict=True))
+    return chosen
+
+
+def _taken(
+    args: tuple[Any, ...], kwargs: dict[str, Any], index: torch.Tensor, dim: int, count: int
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The arguments with the rows of ``index`` only (tensors with ``count`` rows along ``dim``)."""
+
+    def take(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.dim() >= -dim and value.shape[dim] == count:
+            return value.index_select(value.dim() + dim, index)
+        return value
+
+    return tuple(take(a) for a in args), {k: take(v) for k, v in kwargs.items()}
+
+
+def _joined(groups: list[_Group], outputs: list[Any], dim: int, count: int) -> Any:
+    """The outputs of a split call put back in row order."""
+    first = outputs[0]
+    if isinstance(first, torch.Tensor):
+        shape = list(first.shape)
+        axis = first.dim() + dim
+        shape[axis] = count
+        out = first.new_empty(shape)
+        for group, output in zip(groups, outputs, strict=True):
+            assert group.rows is not None
+            out.index_copy_(axis, group.rows, output)
+        return out
+    if isinstance(first, (tuple, list)):
+        return type(first)(_joined(groups, list(parts), dim, count) for parts in zip(*outputs, strict=True))
+    return first
