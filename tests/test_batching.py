@@ -229,3 +229,118 @@ def test_compiled_steps_with_mixed_policies_get_their_solo_tokens(model: Any, co
     finally:
         manager.stop(block=True, timeout=60)
     assert [o.generated_tokens for o in outputs] == [solo(model, config, p, prompt) for p, prompt in submissions]
+
+
+@pytest.mark.parametrize(
+    ("by", "join"),
+    [("token", "select"), ("token", "split"), ("request", "select")],
+)
+def test_mixed_steps_for_each_kind_of_layer(
+    model: Any, config: Any, manager: Any, monkeypatch: pytest.MonkeyPatch, by: str, join: str
+) -> None:
+    """RMSNorm declared each way: steps mix the three policies, every request gets its solo tokens."""
+    monkeypatch.setitem(_mixing.ROWS, "RMSNorm", _mixing.Rows(by, -2, join))  # type: ignore[arg-type]
+    requests = getattr(manager, batching._MARK)
+    before = len(requests.history)
+    submissions = [((PREFER, NORM_OFF, OFF)[i % 3], prompt) for i, prompt in enumerate(prompts(9, seed=7))]
+    outputs = run(manager, submissions)
+    assert [o.generated_tokens for o in outputs] == [solo(model, config, p, prompt) for p, prompt in submissions]
+    assert any(len(step) == 3 for step in list(requests.history)[before:])
+
+
+def test_declare_rows_checks_its_input() -> None:
+    with pytest.raises(kp.PolicyError, match=r"by='row' is not one of 'token', 'request'"):
+        kp.declare_rows("Norm", by="row")  # type: ignore[arg-type]
+    with pytest.raises(kp.PolicyError, match="join='pick' is not one of 'select', 'split'"):
+        kp.declare_rows("Norm", by="token", join="pick")  # type: ignore[arg-type]
+    with pytest.raises(kp.PolicyError, match="dim=1 must be a negative int"):
+        kp.declare_rows("Norm", by="token", dim=1)
+    with pytest.raises(kp.PolicyError, match="joins by 'select'"):
+        kp.declare_rows("Norm", by="request", join="split")
+
+
+PRESSURE = [kp.Policy.parse(text) for text in ("prefer", "RMSNorm=disable", "disable", "RMSNorm=disable,SiLU=disable")]
+
+
+@pytest.mark.parametrize("count", [1, 2, 4])
+def test_a_full_kv_cache_serves_every_policy(model: Any, config: Any, count: int) -> None:
+    """Three 12-token prompts decoding and a 40-token one that does not fit the free blocks (16 blocks of 4):
+    transformers offloads to make room, as with one policy; every request completes with its solo tokens."""
+    generator = torch.Generator().manual_seed(8)
+    chosen = [torch.randint(1, 256, (n,), generator=generator).tolist() for n in (12, 12, 12, 40)]
+    policies = PRESSURE[:count] if count > 1 else [NORM_OFF]  # one policy: not the process default
+    submissions = [(policies[i % count], prompt) for i, prompt in enumerate(chosen)]
+    manager = model.init_continuous_batching(
+        generation_config=config,
+        continuous_batching_config=ContinuousBatchingConfig(page_size=4, num_blocks=16, max_batch_tokens=256),
+    )
+    manager.start()
+    try:
+        outputs = run(manager, submissions)
+    finally:
+        manager.stop(block=True, timeout=30)
+    assert [o.error for o in outputs] == [None] * len(chosen)
+    assert [o.generated_tokens for o in outputs] == [solo(model, config, p, prompt) for p, prompt in submissions]
+
+
+def test_an_offloaded_request_keeps_its_policy(model: Any, config: Any) -> None:
+    """12 requests in 8 blocks of 4 under ``kernels_disabled()``: transformers offloads some and queues them again;
+    each still finishes under ``disable`` (was: the rest of an offloaded request ran under the default)."""
+    chosen = prompts(12, seed=9)
+    with kp.kernels_disabled():
+        outputs = model.generate_batch(
+            chosen,
+            generation_config=config,
+            continuous_batching_config=ContinuousBatchingConfig(page_size=4, num_blocks=8, max_batch_tokens=64),
+        )
+    assert len(outputs) == 12
+    assert [o.generated_tokens for o in outputs.values()] == [solo(model, config, OFF, p) for p in chosen]
+
+
+FAILING_KERNEL = """
+import torch
+from torch import nn
+
+CALLS = [0]
+FAIL_AFTER = [None]
+
+
+class RMSNorm(nn.Module):
+    can_torch_compile = True
+
+    def forward(self, hidden_states):
+        CALLS[0] += 1
+        if FAIL_AFTER[0] is not None and CALLS[0] > FAIL_AFTER[0]:
+            raise RuntimeError("the kernel failed on this step")
+        variance = hidden_states.float().pow(2).mean(-1, keepdim=True)
+        out = self.weight * (hidden_states.float() * torch.rsqrt(variance + self.variance_epsilon))
+        return out.to(hidden_states.dtype) + 0.5
+"""
+
+
+def test_a_kernel_that_raises_mid_step_fails_only_the_requests_that_ran_it(config: Any, tmp_path: Any) -> None:
+    """The kernel raises from its 10th call on, in the middle of mixed steps: the ``prefer`` requests fail with its
+    error, the ``disable`` and ``RMSNorm=disable`` ones get their solo tokens, and the manager goes on serving."""
+    import sys
+
+    failing = kernelize_locally(tiny_llama(), {"RMSNorm": write_kernel_repo(tmp_path, FAILING_KERNEL)})
+    binding = failing.model.norm.__dict__["_kernelpolicy"]
+    layers = sys.modules[binding.kernel.__module__]
+    submissions = [((PREFER, OFF, NORM_OFF)[i % 3], prompt) for i, prompt in enumerate(prompts(6, seed=10))]
+    expected = [solo(failing, config, p, prompt) for p, prompt in submissions]
+    manager = failing.init_continuous_batching(generation_config=config, continuous_batching_config=batching_config())
+    manager.start()
+    try:
+        layers.FAIL_AFTER[0] = layers.CALLS[0] + 10
+        outputs = run(manager, submissions)
+        layers.FAIL_AFTER[0] = None
+        [after] = run(manager, [(PREFER, submissions[0][1])])
+    finally:
+        layers.FAIL_AFTER[0] = None
+        manager.stop(block=True, timeout=30)
+    for (policy, _), output, tokens in zip(submissions, outputs, expected, strict=True):
+        if policy == PREFER:
+            assert output.error is not None and "the kernel failed on this step" in output.error
+        else:
+            assert output.error is None and output.generated_tokens == tokens
+    assert after.error is None and after.generated_tokens == expected[0]
