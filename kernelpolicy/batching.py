@@ -47,6 +47,7 @@ import torch
 from . import _compat
 from ._active import RECORDERS, activate, current_policy
 from ._attach import ATTACH_HOOKS
+from ._binding import BINDING
 from ._errors import KernelMismatchError, KernelUnavailableError, PolicyError
 from ._mixing import ROWS, MixedCallError, Step, mixable, mixed_scope
 from ._scope import kernel_policy
@@ -84,6 +85,8 @@ class _Requests:
 
     def __init__(self, policies: tuple[Policy, ...], vocabulary: int) -> None:
         self.lock = threading.Lock()
+        #: The kernel layer names of the manager's model (what decides whether policies can share a step).
+        self.layers: frozenset[str] = frozenset()
         self.vocabulary = vocabulary
         #: transformers hashes a block's token ids as 32-bit integers: n policies need n * vocabulary ids.
         self.most_policies = (2**31 - 1) // vocabulary
@@ -181,6 +184,7 @@ def policy_aware(manager: Any, *, policies: Iterable[Policy | str] = ()) -> Any:
 
     def create_batch_processor() -> Any:
         processor = create()
+        requests.layers = _layer_names(manager.model)
         _wrap_processor(processor, requests)
         return processor
 
@@ -199,6 +203,7 @@ class _Rows:
         self.buffers: dict[int, torch.Tensor] = {}
         self.batches: dict[int, _Batch] = {}  # by IO pair: the batch prepared in it, until its step runs
         self.size = int(processor.max_batch_tokens)
+        self.layers = requests.layers
 
     def pair(self) -> int:
         return int(getattr(self.ios, "current_pair", 0))  # async batching alternates two IO pairs
@@ -232,7 +237,7 @@ class _Rows:
     def table(self, slots: tuple[int, ...], recording: bool) -> Active:
         """One policy's table, or the mixed table of the slots (of every policy served, when steps are static)."""
         step = self.step
-        if self.static and len(step.policies) > 1 and not recording and mixable(tuple(step.policies)):
+        if self.static and len(step.policies) > 1 and not recording and mixable(tuple(step.policies), self.layers):
             return step.table(tuple(range(len(step.policies))), recording)
         if len(slots) == 1:
             return activate(step.policies[slots[0]], recording)
@@ -328,7 +333,7 @@ def _wrap_processor(processor: Any, requests: _Requests) -> None:
         if rows.static and len(set(served)) > 1:
             for policy in served:
                 rows.step.slot(policy)
-            if mixable(tuple(rows.step.policies)):
+            if mixable(tuple(rows.step.policies), requests.layers):
                 table = rows.table(tuple(range(len(rows.step.policies))), False)
                 with mixed_scope(table, ()):
                     warmup(model)  # the program of the mix, which every mixed step runs
@@ -337,6 +342,12 @@ def _wrap_processor(processor: Any, requests: _Requests) -> None:
     ios.prepare_batch_update = prepare_batch_update
     processor._generation_step = generation_step
     processor.warmup = warm_up
+
+
+def _layer_names(model: Any) -> frozenset[str]:
+    """The kernel layer names of the policy-aware modules of ``model`` (what a manager's steps can differ on)."""
+    bindings = (module.__dict__.get(BINDING) for module in model.modules())
+    return frozenset(binding.layer_name for binding in bindings if binding is not None)
 
 
 def _without(rows: _Rows, batch: _Batch, error: MixedCallError, failed: dict[str, Exception]) -> _Batch | None:
@@ -369,7 +380,7 @@ def _schedule_every_policy(scheduler: Any, requests: _Requests) -> None:
         with_work: dict[Policy, None] = {}
         for request_id in itertools.chain(scheduler.active_requests, scheduler.waiting_requests_order):
             with_work.setdefault(requests.of(request_id)[0], None)
-        classes = _classes(tuple(with_work))
+        classes = _classes(tuple(with_work), requests.layers)
         if len(classes) <= 1:
             return schedule(token_budget, cache_budget)
         first = next(requests.turn) % len(classes)
@@ -401,13 +412,11 @@ def _schedule_every_policy(scheduler: Any, requests: _Requests) -> None:
     scheduler.clear_cancelled_requests = clear_cancelled_requests
 
 
-def _classes(policies: tuple[Policy, ...]) -> list[frozenset[Policy]]:
+def _classes(policies: tuple[Policy, ...], layers: frozenset[str]) -> list[frozenset[Policy]]:
     """``policies`` in classes that may share a step: the same entries and options on every undeclared layer."""
-    if len(policies) <= 1 or mixable(policies):
+    if len(policies) <= 1 or mixable(policies, layers):
         return [frozenset(policies)]
-    from ._active import known_layers
-
-    undeclared = sorted(known_layers() - set(ROWS))
+    undeclared = sorted(layers - set(ROWS))
     keyed: dict[tuple[Any, ...], list[Policy]] = {}
     for policy in policies:
         keyed.setdefault(tuple((policy.entry_for(n), policy.options) for n in undeclared), []).append(policy)

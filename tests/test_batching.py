@@ -178,15 +178,27 @@ def test_prefix_sharing_control_unsalted_blocks_leak_across_policies(
     assert second.generated_tokens != solo(model, config, OFF, prompt)
 
 
-def test_one_step_serves_every_policy(manager: Any) -> None:
-    """With two policies waiting, each step serves both: the scheduler sees every request."""
+def test_one_step_serves_every_policy(model: Any, config: Any) -> None:
+    """Eight requests in two policies queued before the manager starts: every step serves both."""
+    manager = model.init_continuous_batching(generation_config=config, continuous_batching_config=batching_config())
+    submissions = [((PREFER, OFF)[i % 2], prompt) for i, prompt in enumerate(prompts(8, seed=5))]
+    for policy, prompt in submissions:
+        with kp.kernel_policy(policy):
+            manager.add_request(prompt, max_new_tokens=NEW)
     requests = getattr(manager, batching._MARK)
-    before = len(requests.history)
-    outputs = run(manager, [((PREFER, OFF)[i % 2], prompt) for i, prompt in enumerate(prompts(8, seed=5))])
+    manager.start()
+    try:
+        outputs = []
+        while len(outputs) < len(submissions):
+            result = manager.get_result(timeout=30)
+            assert result is not None
+            if result.is_finished():
+                outputs.append(result)
+    finally:
+        manager.stop(block=True, timeout=30)
     assert all(output.error is None for output in outputs)
-    steps = list(requests.history)[before:]
-    both = [step for step in steps if set(step) == {PREFER, OFF}]
-    assert len(both) >= len(steps) // 2, steps  # requests arriving one by one: the first steps may see one policy
+    steps = list(requests.history)
+    assert steps and all(set(step) == {PREFER, OFF} for step in steps), steps
     assert requests.by_id == {}  # finished requests are forgotten
 
 
@@ -208,8 +220,9 @@ def test_an_undeclared_layer_groups_the_steps_fairly(manager: Any, monkeypatch: 
 
 @pytest.mark.slow
 def test_compiled_steps_with_mixed_policies_get_their_solo_tokens(model: Any, config: Any) -> None:
-    """The manager's compile options (torch.compile of its step, backend eager here): the policy is a guard of
-    the compiled step, so each policy's requests run its own program; the warm-up runs once per policy."""
+    """The manager's compile options (torch.compile of its step, backend eager here): the warm-up compiles each
+    policy's program and the mix's; the rows' policies are an input of the mix's program, so steps whose mix
+    changes compile nothing more: the same prompts under another mix add no graph."""
     from torch._dynamo.utils import counters
     from transformers.generation.configuration_utils import CompileConfig
 
@@ -221,14 +234,21 @@ def test_compiled_steps_with_mixed_policies_get_their_solo_tokens(model: Any, co
     batching.policy_aware(manager, policies=[NORM_OFF])
     graphs = counters["stats"]["unique_graphs"]
     manager.warmup()
-    assert counters["stats"]["unique_graphs"] > graphs  # compiled ahead, for prefer and for RMSNorm=disable
+    assert counters["stats"]["unique_graphs"] > graphs  # compiled ahead, for prefer, RMSNorm=disable and the mix
     manager.start()
+    chosen = prompts(4, seed=6)
     try:
-        submissions = [((PREFER, NORM_OFF)[i % 2], prompt) for i, prompt in enumerate(prompts(4, seed=6))]
-        outputs = run(manager, submissions)
+        first = [((PREFER, NORM_OFF)[i % 2], prompt) for i, prompt in enumerate(chosen)]
+        outputs = run(manager, first)
+        after_first = counters["stats"]["unique_graphs"]
+        second = [((NORM_OFF, PREFER)[i % 2], prompt) for i, prompt in enumerate(chosen)]  # the mix swapped
+        again = run(manager, second)
+        after_second = counters["stats"]["unique_graphs"]
     finally:
         manager.stop(block=True, timeout=60)
-    assert [o.generated_tokens for o in outputs] == [solo(model, config, p, prompt) for p, prompt in submissions]
+    assert [o.generated_tokens for o in outputs] == [solo(model, config, p, prompt) for p, prompt in first]
+    assert [o.generated_tokens for o in again] == [solo(model, config, p, prompt) for p, prompt in second]
+    assert after_second == after_first
 
 
 @pytest.mark.parametrize(

@@ -182,3 +182,13 @@ def test_the_batching_benchmark_times_each_mix(capsys: pytest.CaptureFixture[str
     ]
     assert all(m.median > 0 for m in results)
     assert "kernelpolicy, 4 policies" in capsys.readouterr().out
+
+
+def test_the_mixing_benchmark_times_each_join(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("transformers")
+    from benchmarks import mixing
+
+    results = mixing.main(min_run_time=0.01)
+    assert {m.task_spec.description for m in results} == {"one path", "select", "split"}
+    assert len(results) == 18 and all(m.median > 0 for m in results)
+    assert "attention" in capsys.readouterr().out
