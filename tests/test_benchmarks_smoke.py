@@ -177,11 +177,14 @@ def test_the_batching_benchmark_times_each_mix(capsys: pytest.CaptureFixture[str
     assert [m.task_spec.sub_label for m in results] == [
         "transformers alone",
         "kernelpolicy, 1 policy",
-        "kernelpolicy, 2 policies",
-        "kernelpolicy, 4 policies",
+        "kernelpolicy, 1 policy, recorded",
+        "kernelpolicy, 2 policies, select",
+        "kernelpolicy, 2 policies, split",
+        "kernelpolicy, 4 policies, select",
+        "kernelpolicy, 4 policies, split",
     ]
     assert all(m.median > 0 for m in results)
-    assert "kernelpolicy, 4 policies" in capsys.readouterr().out
+    assert "kernelpolicy, 4 policies, split" in capsys.readouterr().out
 
 
 def test_the_mixing_benchmark_times_each_join(capsys: pytest.CaptureFixture[str]) -> None:
