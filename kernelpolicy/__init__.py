@@ -44,7 +44,6 @@ if TYPE_CHECKING:
         use_kernel_forward_from_hub,
     )
     from ._explain import explain, will_use_kernel
-    from ._mixing import declare_rows
     from ._warmup import warmup
 
 __version__ = "0.1.0"
@@ -61,7 +60,6 @@ _LAZY = {
     "reset_failures": "._attach",
     "use_kernel_forward_from_hub": "._attach",
     "record_calls": "._accounting",
-    "declare_rows": "._mixing",
     "explain": "._explain",
     "will_use_kernel": "._explain",
     "warmup": "._warmup",
@@ -122,7 +120,6 @@ __all__ = [
     "attach",
     "auto_attach",
     "current_policy",
-    "declare_rows",
     "explain",
     "kernel_accepts",
     "kernel_policy",

@@ -181,8 +181,7 @@ class Binding:
         self.own: Any = getattr(type(module), "forward", None)
         #: What the forward recorded for recomputations in backward (activation checkpointing), see ``_replay``.
         self.replays = Replays(self)
-        #: Whether policy-aware layers sit inside the module (None until a mixed call asks).
-        self.nested: bool | None = None
+        self.nested: bool | None = None  # policy-aware layers inside the module? (asked by a mixed call)
 
     def kernel_name(self) -> str | None:
         """The bound kernel as ``explain`` shows it: its repository and layer when known, else its class; None without."""
@@ -353,17 +352,13 @@ class Binding:
             self.nested = any(BINDING in m.__dict__ for m in self.module.modules() if m is not self.module)
         return self.nested
 
-    def mixed(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """A call whose rows follow different policies (a mixed step of continuous batching, see ``_mixing``)."""
-        return run_mixed(self, args, kwargs)
-
     def slow_path(
         self, mode: str, args: tuple[Any, ...], kwargs: dict[str, Any], state: ExecutionState | None = None
     ) -> Any:
         """Every call the fast exits of the forward closure do not take."""
         if type(self.module).forward is not self.own and not _is_dynamo():  # the class was patched: its original
             return self.patched(args, kwargs)
-        if mode == MIXED:
+        if mode == MIXED:  # rows of several policies (a mixed step of continuous batching, see ``_mixing``)
             return run_mixed(self, args, kwargs)
         if mode == KERNEL_ON:
             mode = self._compiled_mode(args, kwargs)

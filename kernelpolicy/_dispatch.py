@@ -68,6 +68,7 @@ Python code runs, so the error is raised as in eager code.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import keyword
 import linecache
@@ -83,6 +84,7 @@ from torch.compiler import is_dynamo_compiling as _is_dynamo
 
 from . import _state
 from ._active import DEFAULTS, RECOMPUTED_WITH_GRAD, in_effect  # noqa: F401 - DEFAULTS, in_effect: read by the generated forwards
+from ._mixing import run_mixed
 from ._persisted import checked, persisting  # noqa: F401 - read by the generated forwards
 from ._replay import GO_ON  # noqa: F401 - read by the generated forwards
 from ._rules import RULES
@@ -251,7 +253,7 @@ _BODIES: dict[str, str] = {
         active = DEFAULTS.active._current
         if _is_dynamo():
             active = in_effect()
-            if {kernel_on} == "mixed":
+            if traceable and {kernel_on} == "mixed":  # untraceable: never read, one program (the original)
                 return mixed({pack})
             if traceable and {kernel_on}:
                 out = slow("require" if {required} else "prefer", {pack})
@@ -430,7 +432,7 @@ def make_forward(binding: Binding) -> Callable[..., Any]:
         None,
         binding.own,
         binding.patched,
-        binding.mixed,
+        functools.partial(run_mixed, binding),
     )
     forward.__qualname__ = f"kernelpolicy.{variant}.forward"
     freevars = forward.__code__.co_freevars

@@ -104,8 +104,8 @@ def declare_rows(layer_name: str, by: Kind, *, dim: int = -2, join: Join = "sele
     (``"select"``: both paths on every row, then ``torch.where``; ``"split"``: each path on its own rows).
     A layer declared by neither keeps its steps grouped by policy in continuous batching.
 
-    >>> import kernelpolicy
-    >>> kernelpolicy.declare_rows("MyNorm", by="token")
+    >>> from kernelpolicy.batching import declare_rows
+    >>> declare_rows("MyNorm", by="token")
     """
     from ._policy import check_layer_name
 

@@ -8,30 +8,24 @@ once kernelpolicy has attached a transformers model (``attach``, ``kernelize``, 
 - **each request carries the policy in effect where it was submitted** (``add_request``, ``add_requests``,
   ``generate_batch`` inside a scope), and the ``record_calls`` recorders active there; a request that
   transformers offloads under cache pressure keeps both when it is scheduled again;
-- **one forward step serves every policy**: the manager's own scheduler (``fifo``, ``prefill_first``, any of
-  ``SCHEDULER_MAPPING``) sees every request, and in each policy-aware layer whose paths differ between the
-  step's policies each request's rows take its own policy's path (``kernelpolicy._mixing``: the rows and
-  their policies come with the step's batch, per batch; under ``torch.compile`` they are an input, so one
-  program serves every mix). A layer whose rows are declared neither by token nor by request
-  (:func:`kernelpolicy.declare_rows`) is never mixed: steps where it would be are grouped by policy, the
-  groups taking turns (round robin), and transformers' offloading still sees every request;
+- **one forward step serves every policy**: the manager's scheduler (any of ``SCHEDULER_MAPPING``) sees every
+  request; in each policy-aware layer whose paths differ between the step's policies, each request's rows take
+  its policy's path (``_mixing``: the rows' policies come with each batch; compiled, they are an input). A
+  layer whose rows are not declared (:func:`declare_rows`) is never mixed: those steps are grouped by policy,
+  taking turns, and transformers' offloading still sees every request;
 - **recorders count per request**: a call counts for each request's recorders on that request's path;
-- **a policy's error fails only its requests**: an error raised by the rows of some policies in a mixed step
-  (a kernel's exception, ``require``'s ``KernelUnavailableError``, ``verify``'s ``KernelMismatchError``)
-  fails the requests of those policies, and the step runs again without them, so the others get their
-  tokens; in a step of one policy, ``require`` or ``verify`` failing fails that step's requests;
+- **a policy's error fails only its requests**: an error raised by some policies' rows in a mixed step (a
+  kernel's exception, ``require``, ``verify``) fails their requests and the step runs again without them; in a
+  step of one policy, ``require`` or ``verify`` failing fails that step's requests;
 - **prefix sharing keeps policies apart**: a KV block computed under one policy is never reused by a
   request of another (the block hashes of all but the first policy a manager sees are salted);
 - **warm-up covers each policy served**: ``policy_aware(manager, policies=[...])`` runs the manager's warm-up
   (compile, CUDA graphs) once per policy, and once for their mix when the steps are compiled.
 
-Nothing changes for a manager whose requests all carry one policy: its steps are scheduled, hashed and run
-as without kernelpolicy, under that policy.
-
-The seams are transformers' own, private (``_compat.BATCHING``): where one is missing, :func:`policy_aware`
-tells the user once and leaves the manager as it is (its steps run under the process default policy).
-Async batching (transformers' choice with CUDA graphs) runs a step's bookkeeping one step late: there an
-error raised by a policy is left to transformers, which fails every request (a GPU-only path, untested here).
+Nothing changes for a manager whose requests all carry one policy. The seams are transformers' own, private
+(``_compat.BATCHING``): where one is missing, :func:`policy_aware` tells the user once and leaves the manager
+as it is. Async batching (CUDA graphs) updates a step one step late: there a policy's error is left to
+transformers, which fails every request (a GPU-only path, untested here).
 """
 
 from __future__ import annotations
@@ -49,7 +43,7 @@ from ._active import RECORDERS, activate, current_policy
 from ._attach import ATTACH_HOOKS
 from ._binding import BINDING
 from ._errors import KernelMismatchError, KernelUnavailableError, PolicyError
-from ._mixing import ROWS, MixedCallError, Step, mixable, mixed_scope
+from ._mixing import ROWS, MixedCallError, Step, declare_rows, mixable, mixed_scope
 from ._scope import kernel_policy
 
 if TYPE_CHECKING:
@@ -58,7 +52,7 @@ if TYPE_CHECKING:
     from ._active import Active
     from ._policy import Policy
 
-__all__ = ["policy_aware", "request_policy"]
+__all__ = ["declare_rows", "policy_aware", "request_policy"]
 
 #: Errors a policy raises in a forward: in a step of one policy they fail that step's requests, not the manager.
 POLICY_ERRORS: tuple[type[Exception], ...] = (KernelUnavailableError, KernelMismatchError)
@@ -346,8 +340,7 @@ def _wrap_processor(processor: Any, requests: _Requests) -> None:
 
 def _layer_names(model: Any) -> frozenset[str]:
     """The kernel layer names of the policy-aware modules of ``model`` (what a manager's steps can differ on)."""
-    bindings = (module.__dict__.get(BINDING) for module in model.modules())
-    return frozenset(binding.layer_name for binding in bindings if binding is not None)
+    return frozenset(m.__dict__[BINDING].layer_name for m in model.modules() if BINDING in m.__dict__)
 
 
 def _without(rows: _Rows, batch: _Batch, error: MixedCallError, failed: dict[str, Exception]) -> _Batch | None:

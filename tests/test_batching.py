@@ -270,13 +270,13 @@ def test_mixed_steps_for_each_kind_of_layer(
 
 def test_declare_rows_checks_its_input() -> None:
     with pytest.raises(kp.PolicyError, match=r"by='row' is not one of 'token', 'request'"):
-        kp.declare_rows("Norm", by="row")  # type: ignore[arg-type]
+        batching.declare_rows("Norm", by="row")  # type: ignore[arg-type]
     with pytest.raises(kp.PolicyError, match="join='pick' is not one of 'select', 'split'"):
-        kp.declare_rows("Norm", by="token", join="pick")  # type: ignore[arg-type]
+        batching.declare_rows("Norm", by="token", join="pick")  # type: ignore[arg-type]
     with pytest.raises(kp.PolicyError, match="dim=1 must be a negative int"):
-        kp.declare_rows("Norm", by="token", dim=1)
+        batching.declare_rows("Norm", by="token", dim=1)
     with pytest.raises(kp.PolicyError, match="joins by 'select'"):
-        kp.declare_rows("Norm", by="request", join="split")
+        batching.declare_rows("Norm", by="request", join="split")
 
 
 PRESSURE = [kp.Policy.parse(text) for text in ("prefer", "RMSNorm=disable", "disable", "RMSNorm=disable,SiLU=disable")]
