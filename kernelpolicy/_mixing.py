@@ -206,12 +206,15 @@ class Step:
         if found is not None:
             return found
         name = binding.layer_name
+        without_kernel = binding.kernel is None and not binding.variants
         keyed: dict[Any, list[int]] = {}
         for slot in members.slots:
             policy = self.policies[slot]
+            entry = policy.entry_for(name)
+            if without_kernel and entry != "require":
+                entry = "original"  # prefer, disable and verify all run the original here
             # A layer with policy-aware layers inside runs once per policy (they may differ there).
-            group_key = policy if nested else (policy.entry_for(name), policy.options)
-            keyed.setdefault(group_key, []).append(slot)
+            keyed.setdefault(policy if nested else (entry, policy.options), []).append(slot)
         groups = []
         positions = torch.arange(len(self.host_rows))
         host = torch.tensor(self.host_rows, dtype=torch.long)
@@ -273,6 +276,12 @@ def run_mixed(binding: Binding, args: tuple[Any, ...], kwargs: dict[str, Any]) -
         on = members.kernel_on(binding.layer_name)[step.rows]
         return _select(on, binding.kernel(binding.module, *args, **kwargs), original, rows.dim)
     groups = step.plan(binding, members, rows)
+    if len(groups) == 1:  # the policies differ on the layer, not on its path here (no kernel bound, say)
+        try:
+            with groups[0].scope:
+                return binding.dispatcher(*args, **kwargs)
+        except Exception as error:
+            raise MixedCallError(groups[0].policies, error) from error
     outputs = []
     for group in groups:
         if group.rows is None:
