@@ -70,12 +70,12 @@ def manager(model: Any, config: Any) -> Iterator[Any]:
     manager.stop(block=True, timeout=30)
 
 
-def run(manager: Any, submissions: list[tuple[kp.Policy, list[int]]]) -> list[Any]:
+def run(manager: Any, submissions: list[tuple[kp.Policy, list[int]]], new_tokens: int = NEW) -> list[Any]:
     """Submit each prompt under its policy (all before the first result), then each request's final output."""
     ids = []
     for policy, prompt in submissions:
         with kp.kernel_policy(policy):
-            ids.append(manager.add_request(prompt, max_new_tokens=NEW))
+            ids.append(manager.add_request(prompt, max_new_tokens=new_tokens))
     results: dict[str, Any] = {}
     while len(results) < len(ids):
         result = manager.get_result(timeout=30)
@@ -297,6 +297,35 @@ def test_a_full_kv_cache_serves_every_policy(model: Any, config: Any, count: int
     manager.start()
     try:
         outputs = run(manager, submissions)
+    finally:
+        manager.stop(block=True, timeout=30)
+    assert [o.error for o in outputs] == [None] * len(chosen)
+    assert [o.generated_tokens for o in outputs] == [solo(model, config, p, prompt) for p, prompt in submissions]
+
+
+ON_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="offloading to CPU memory pins it: a GPU only")
+
+
+@pytest.mark.parametrize("offload", [pytest.param(1.0, marks=ON_GPU), 0.0], ids=["offloading on", "offloading off"])
+@pytest.mark.parametrize("count", [1, 2, 4])
+def test_few_blocks_as_transformers_tests_them(model: Any, count: int, offload: float) -> None:
+    """The settings of transformers' ``test_continuous_batching_few_blocks`` and ``test_cpu_offloading_disabled_when_zero``
+    (4 blocks of 32, block sharing, 30 new tokens, each prompt 4 times), the policies interleaved (one policy: not
+    the default): every request completes with its solo tokens. Offloading off: requests are soft reset and
+    queued again (on a CPU too); on: copied to pinned CPU memory (a GPU run)."""
+    config = transformers.GenerationConfig(max_new_tokens=30, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    chosen = prompts(3, seed=11) * 4
+    policies = PRESSURE[:count] if count > 1 else [OFF]
+    submissions = [(policies[i % count], prompt) for i, prompt in enumerate(chosen)]
+    manager = model.init_continuous_batching(
+        generation_config=config,
+        continuous_batching_config=ContinuousBatchingConfig(
+            num_blocks=4, page_size=32, allow_block_sharing=True, cpu_offload_space=offload
+        ),
+    )
+    manager.start()
+    try:
+        outputs = run(manager, submissions, new_tokens=30)
     finally:
         manager.stop(block=True, timeout=30)
     assert [o.error for o in outputs] == [None] * len(chosen)
