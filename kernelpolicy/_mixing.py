@@ -176,7 +176,7 @@ class Step:
         self.recorders: dict[int, tuple[Any, ...]] = {}
         #: The table of each set of slots served together (their owner: this step).
         self.tables: dict[tuple[tuple[int, ...], bool], Active] = {}
-        self._plans: dict[tuple[str, bool, tuple[int, ...]], list[_Group]] = {}
+        self._plans: dict[tuple[str, bool, bool, tuple[int, ...]], list[_Group]] = {}
 
     def slot(self, policy: Policy) -> int:
         found = self.slot_of.get(policy)
@@ -201,12 +201,12 @@ class Step:
     def plan(self, binding: Binding, members: Members, rows: Rows) -> list[_Group]:
         """The groups of rows of ``binding``'s layer in this step (cached per layer for the step)."""
         nested = binding.has_aware_children()
-        key = (binding.layer_name, nested, members.slots)
+        without_kernel = binding.kernel is None and not binding.variants
+        key = (binding.layer_name, nested, without_kernel, members.slots)
         found = self._plans.get(key)
         if found is not None:
             return found
         name = binding.layer_name
-        without_kernel = binding.kernel is None and not binding.variants
         keyed: dict[Any, list[int]] = {}
         for slot in members.slots:
             policy = self.policies[slot]

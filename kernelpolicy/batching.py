@@ -231,7 +231,7 @@ class _Rows:
     def table(self, slots: tuple[int, ...], recording: bool) -> Active:
         """One policy's table, or the mixed table of the slots (of every policy served, when steps are static)."""
         step = self.step
-        if self.static and len(step.policies) > 1 and not recording and mixable(tuple(step.policies), self.layers):
+        if self.static and len(step.policies) > 1 and mixable(tuple(step.policies), self.layers):
             return step.table(tuple(range(len(step.policies))), recording)
         if len(slots) == 1:
             return activate(step.policies[slots[0]], recording)

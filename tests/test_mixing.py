@@ -1,0 +1,155 @@
+"""Calls whose rows follow several policies (``_mixing``), on plain modules with real local kernels.
+
+The batching seam builds these steps from transformers' batches (tests/test_batching.py); here a step is built by
+hand: each row's slot, the step's table, then one forward. Every row must equal the same row computed alone under
+its own policy, whatever the join, also for a kernel layer with another kernel layer inside.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import kernelpolicy as kp
+from kernelpolicy import _mixing
+from kernelpolicy.testing import kernelize_locally, write_kernel_repo
+
+HIDDEN = 8
+
+
+def _kernel(name: str, offset: float) -> str:
+    return f"""
+import torch
+from torch import nn
+
+
+class {name}(nn.Module):
+    can_torch_compile = True
+
+    def forward(self, x):
+        return self.inner(x) * 2 + {offset}
+"""
+
+
+@kp.use_kernel_forward_from_hub("MixInner")
+class Inner(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 3
+
+
+@kp.use_kernel_forward_from_hub("MixOuter")
+class Outer(nn.Module):
+    """A kernel layer with a kernel layer inside (an MLP whose activation has a kernel)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = Inner()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x) - 1
+
+
+INNER_KERNEL = """
+import torch
+from torch import nn
+
+
+class MixInner(nn.Module):
+    can_torch_compile = True
+
+    def forward(self, x):
+        return x * 3 + 100
+"""
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    root = tmp_path_factory.mktemp("mixing")
+    repos = {
+        "MixOuter": write_kernel_repo(root / "outer", _kernel("MixOuter", 10.0)),
+        "MixInner": write_kernel_repo(root / "inner", INNER_KERNEL),
+    }
+    return kernelize_locally(nn.Sequential(Outer()).eval(), repos)
+
+
+POLICIES = [
+    kp.Policy.parse("MixOuter=disable,MixInner=prefer"),
+    kp.Policy.parse("MixOuter=disable,MixInner=disable"),
+    kp.Policy.parse("prefer"),
+    kp.Policy.parse("MixOuter=prefer,MixInner=disable"),
+]
+
+
+def mixed(model: Any, x: torch.Tensor, owners: list[int]) -> torch.Tensor:
+    """``model(x)`` as one call whose row i follows ``POLICIES[owners[i]]``."""
+    step = _mixing.Step(torch.device("cpu"))
+    for policy in POLICIES:
+        step.slot(policy)
+    step.begin(torch.tensor(owners), owners, {})
+    table = step.table(tuple(sorted(set(owners))), False)
+    with _mixing.mixed_scope(table, ()):
+        return model(x)  # type: ignore[no-any-return]
+
+
+def alone(model: Any, x: torch.Tensor, owners: list[int]) -> torch.Tensor:
+    """Each row computed under its own policy alone."""
+    rows = []
+    for i, owner in enumerate(owners):
+        with kp.kernel_policy(POLICIES[owner]):
+            rows.append(model(x[:, i : i + 1]))
+    return torch.cat(rows, dim=1)
+
+
+@pytest.mark.parametrize("join", ["select", "split"])
+def test_each_row_takes_its_own_policys_path_also_inside(
+    model: Any, join: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Four policies that differ on the outer layer, the inner one, or both: every row as computed alone (the outer
+    layer's groups run once per policy, since its inner layer may differ between policies that agree on it)."""
+    monkeypatch.setitem(_mixing.ROWS, "MixOuter", _mixing.Rows("token", -2, join))  # type: ignore[arg-type]
+    monkeypatch.setitem(_mixing.ROWS, "MixInner", _mixing.Rows("token", -2, join))  # type: ignore[arg-type]
+    owners = [0, 1, 2, 3, 3, 2, 1, 0, 0, 2]
+    x = torch.randn(1, len(owners), HIDDEN, generator=torch.Generator().manual_seed(0))
+    expected = alone(model, x, owners)
+    assert len({round(float(expected[0, owners.index(o)].sum()), 3) for o in range(4)}) == 4  # four paths
+    torch.testing.assert_close(mixed(model, x, owners), expected)
+
+
+def test_record_calls_count_each_group_on_its_path(model: Any) -> None:
+    """Recorders given per slot count the call of their rows' group, on its path."""
+    step = _mixing.Step(torch.device("cpu"))
+    for policy in POLICIES:
+        step.slot(policy)
+    with kp.record_calls() as kernel_side, kp.record_calls() as original_side:
+        pass
+    owners = [2, 1, 2, 1]
+    step.begin(torch.tensor(owners), owners, {2: (kernel_side,), 1: (original_side,)})
+    table = step.table((1, 2), True)
+    with _mixing.mixed_scope(table, (kernel_side, original_side)):
+        model(torch.ones(1, 4, HIDDEN))
+    assert kernel_side.by_layer() == {"MixOuter": {"kernel": 1}, "MixInner": {"kernel": 1}}
+    assert original_side.by_layer() == {"MixOuter": {"original": 1}, "MixInner": {"original": 1}}
+
+
+def test_an_error_of_one_group_names_its_policies(model: Any, tmp_path: Path) -> None:
+    """``require`` on a layer without kernel fails the rows of that policy only: MixedCallError names it."""
+    missing = kp.Policy.parse("MixOuter=disable,SiLU=require")
+
+    @kp.use_kernel_forward_from_hub("SiLU")
+    class Act(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.silu(x)
+
+    act = Act()
+    step = _mixing.Step(torch.device("cpu"))
+    step.slot(kp.Policy.parse("prefer"))
+    step.slot(missing)
+    step.begin(torch.tensor([0, 1]), [0, 1], {})
+    with _mixing.mixed_scope(step.table((0, 1), False), ()), pytest.raises(_mixing.MixedCallError) as raised:
+        act(torch.ones(1, 2, HIDDEN))
+    assert raised.value.policies == (missing,)
+    assert isinstance(raised.value.error, kp.KernelUnavailableError)
