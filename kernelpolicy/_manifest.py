@@ -18,6 +18,15 @@ A failed save (a full disk, an export that raises) removes its temporary folder:
 is left as it was, programs and manifest together. Only a folder a save wrote (it has the manifest) or an
 empty one is replaced: one holding other files is refused, since replacing it would delete them.
 
+What a save needs is checked before anything is written (:func:`check_folder`, which ``artifacts`` calls
+before exporting or compiling too): write permission on the folder's parent (the new folder is made there) and
+on the folder (its old programs are removed once replaced); a read-only folder is refused with
+``PermissionError``, as a save that wrote into it would have been. Removing the old programs starts with their
+manifest: where even that fails (what the check cannot see: a sticky folder, an immutable file), the old
+folder is swapped back and the error raised; where a later file cannot be removed, the save stands and a
+warning names what is left. A folder that is a symbolic link (``latest -> release-v1``) is written through:
+its target is replaced and the link kept, as writing a file through a link would.
+
 Reading (:func:`read_manifest`) checks the whole manifest before anything is loaded, and names the manifest
 file in every error: valid JSON; an object with ``format`` :data:`FORMAT`, a known ``kind``, a ``torch``
 text and a non-empty ``programs`` list of objects with a ``policy`` text and a ``file`` text; each file a
@@ -29,11 +38,13 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import errno
 import json
 import os
 import secrets
 import shutil
 import sys
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
@@ -42,7 +53,7 @@ from ._policy import Policy
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
 
-__all__ = ["FORMAT", "MANIFEST", "SUFFIX", "Layer", "Manifest", "read_manifest", "write_folder"]
+__all__ = ["FORMAT", "MANIFEST", "SUFFIX", "Layer", "Manifest", "check_folder", "read_manifest", "write_folder"]
 
 #: The manifest beside the programs.
 MANIFEST: Final = "kernelpolicy-programs.json"
@@ -113,13 +124,71 @@ def _replaceable(folder: Path) -> None:
     )
 
 
+def check_folder(folder: Path) -> Path:
+    """Refuse now what :func:`write_folder` would refuse (called before anything is exported or compiled too):
+    a folder that is not a save's, or one this process could not replace (see the module docstring). Returns the
+    folder a save writes: a symbolic link's target, the link kept."""
+    folder = folder.resolve()
+    if folder.exists():
+        _replaceable(folder)
+    effective = os.access in os.supports_effective_ids
+    parent = folder.parent
+    while not parent.exists() and parent != parent.parent:  # made by the save: where it is made must be writable
+        parent = parent.parent
+    needs = (
+        (parent, "a save writes the new programs in a folder beside it"),
+        (folder, "a save removes its old programs once the new ones are in place"),
+    )
+    for path, why in needs:
+        if path.exists() and not os.access(path, os.W_OK | os.X_OK, effective_ids=effective):
+            raise PermissionError(
+                errno.EACCES,
+                f"kernelpolicy: cannot save programs in {folder}: {path} is not writable by this process, and {why}. "
+                f"Nothing was written; make it writable (chmod u+w {path}) or pass another directory=",
+            )
+    return folder
+
+
+def _place(new: Path, folder: Path) -> Path:
+    """Put ``new`` in ``folder``'s place; return where ``folder``'s former content now is (see the docstring)."""
+    if _exchange(new, folder):
+        return new
+    old = folder.parent / f".{folder.name}{_OLD}{secrets.token_hex(4)}"
+    os.rename(folder, old)
+    os.rename(new, folder)  # between the two renames, read_manifest names both folders
+    return old
+
+
+def _discard(old: Path, folder: Path) -> None:
+    """Remove the old programs (``old``, replaced in ``folder``); where the first removal fails, put them back."""
+    try:
+        if (old / MANIFEST).exists():
+            os.unlink(old / MANIFEST)
+        else:
+            os.rmdir(old)  # an empty folder (_replaceable)
+    except OSError as error:
+        shutil.rmtree(_place(old, folder), ignore_errors=True)  # the new programs, swapped out again
+        raise type(error)(
+            error.errno,
+            f"kernelpolicy: cannot save programs in {folder}: its old programs could not be removed ({error.strerror}), "
+            "so they were put back as they were. Check the permissions of the folder and its files, or pass another "
+            "directory=",
+        ) from None
+    shutil.rmtree(old, ignore_errors=True)  # what cannot be removed is named below
+    if old.exists():
+        warnings.warn(
+            f"kernelpolicy: saved the programs in {folder}, but part of the old ones could not be removed: "
+            f"{old} is left beside it (no manifest: it loads as nothing); remove it",
+            RuntimeWarning,
+            stacklevel=5,  # the caller of export_per_policy or compile_per_policy
+        )
+
+
 def write_folder(folder: Path, fill: Callable[[Path], dict[str, Any]]) -> None:
     """Write a folder of programs atomically: ``fill(new)`` saves the programs into ``new`` and returns the
     manifest's content, which is written last; then ``new`` takes ``folder``'s place (see the module docstring).
     """
-    folder = folder.absolute()
-    if folder.exists():
-        _replaceable(folder)
+    folder = check_folder(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
     new = folder.parent / f".{folder.name}{_NEW}{secrets.token_hex(4)}"
     new.mkdir()
@@ -129,15 +198,10 @@ def write_folder(folder: Path, fill: Callable[[Path], dict[str, Any]]) -> None:
         for path in new.iterdir():
             _fsync(path)
         _fsync(new)
-        if not folder.exists():
-            os.rename(new, folder)
-        elif _exchange(new, folder):
-            shutil.rmtree(new)  # the old programs, under the temporary name since the swap
+        if folder.exists():
+            _discard(_place(new, folder), folder)
         else:
-            old = folder.parent / f".{folder.name}{_OLD}{secrets.token_hex(4)}"
-            os.rename(folder, old)
-            os.rename(new, folder)  # between the two renames, read_manifest names both folders
-            shutil.rmtree(old)
+            os.rename(new, folder)
         _fsync(folder.parent)
     finally:
         if new.exists():
@@ -146,6 +210,7 @@ def write_folder(folder: Path, fill: Callable[[Path], dict[str, Any]]) -> None:
 
 def _interrupted(folder: Path) -> str:
     """What an interrupted save left beside ``folder`` (see the module docstring), as a sentence, or ''."""
+    folder = folder.resolve()  # a link's save writes beside its target
     if not folder.parent.is_dir():
         return ""
     left = sorted(p.name for p in folder.parent.iterdir() if p.name.startswith(f".{folder.name}{_OLD}"))

@@ -48,7 +48,7 @@ from ._active import current_policy, layer_facts
 from ._binding import Binding
 from ._errors import ArtifactPolicyError
 from ._explain import ROW_SOURCES, _marked
-from ._manifest import FORMAT, MANIFEST, SUFFIX, Layer, read_manifest, write_folder
+from ._manifest import FORMAT, MANIFEST, SUFFIX, Layer, check_folder, read_manifest, write_folder
 from ._policy import DEFAULT_VARIANT, MODES, VARIANTS, Policy, variant_names
 from ._rules import RULES, VARIANT_RULES
 from ._scope import kernel_policy
@@ -281,6 +281,8 @@ def export_per_policy(
         raise ValueError("kernelpolicy: package='aoti' writes AOTInductor packages: pass directory=")
     exported = {}
     listed = _policies(policies, "export_per_policy")
+    if directory is not None:
+        check_folder(Path(directory))  # before exporting: a folder the save would refuse is refused now
     layers = model_layers(model, "export")
     for policy in listed:
         with kernel_policy(policy):
@@ -331,6 +333,8 @@ def compile_per_policy(
         raise NotImplementedError(f"kernelpolicy: torch {torch.__version__} has no torch.compile(...).aot_compile")
     compiled = {}
     listed = _policies(policies, "compile_per_policy")
+    if directory is not None:
+        check_folder(Path(directory))  # before compiling: a folder the save would refuse is refused now
     layers = model_layers(model, "compile")
     for policy in listed:
         with kernel_policy(policy):

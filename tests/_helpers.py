@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 import types
@@ -114,6 +117,28 @@ class KpKernel2(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + 100
+
+
+#: Python code that drops every capability of its process (Linux ``capset``), root's included: the process keeps its
+#: user, so it still reads what it owns (an interpreter installed under /root), but its file accesses are checked
+#: against the permission bits as an ordinary user's are (root ignores them: a chmod 555 folder stops no root).
+WITHOUT_CAPABILITIES = """
+import ctypes
+class _Header(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+class _Data(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+if ctypes.CDLL(None, use_errno=True).capset(ctypes.byref(_Header(0x20080522, 0)), (_Data * 2)()) != 0:  # version 3
+    raise OSError(ctypes.get_errno(), "capset")
+"""
+
+
+def as_ordinary_user(code: str, *args: str, timeout_s: float = 300) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` (Python) in a new process without capabilities (see :data:`WITHOUT_CAPABILITIES`): what a user
+    who is not root meets, where the tests run as root. Linux only; the caller checks ``returncode``."""
+    source = WITHOUT_CAPABILITIES + textwrap.dedent(code)
+    command = [sys.executable, "-c", source, *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, check=False)
 
 
 def three_kernel_layers() -> nn.Sequential:

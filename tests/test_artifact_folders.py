@@ -2,7 +2,8 @@
 
 Real ``torch.export`` programs of a DemoModel kernelized with a traceable local kernel that adds 100, saved to
 real folders; a failed save is a real save with a fault injected (``torch.export.save`` raising ENOSPC after
-its first file, a rename failing).
+its first file, a rename failing, a file that cannot be removed), or a save by a process without root's
+capabilities into a read-only folder (``as_ordinary_user``: the tests run as root, which no chmod stops).
 """
 
 from __future__ import annotations
@@ -11,13 +12,14 @@ import errno
 import json
 import os
 import re
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from _helpers import kernel_ran
+from _helpers import as_ordinary_user, kernel_ran
 
 import kernelpolicy as kp
 from kernelpolicy import _manifest
@@ -84,11 +86,16 @@ def test_a_resave_replaces_the_folder_whole_with_or_without_an_atomic_exchange(
         assert kernel_ran(load_per_policy(folder)(X))
 
 
+@pytest.mark.parametrize("linked", [False, True], ids=["folder", "link"])
 def test_a_save_stopped_between_its_renames_says_where_the_programs_are(
-    model: DemoModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    model: DemoModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, linked: bool
 ) -> None:
     folder = tmp_path / "programs"
     export_per_policy(model, (X,), policies=["prefer"], directory=folder)
+    named = folder
+    if linked:  # loaded through a link (latest -> programs): the save wrote beside its target
+        named = tmp_path / "latest"
+        named.symlink_to("programs")
     monkeypatch.setattr(_manifest, "_exchange", lambda a, b: False)
     real, renames = os.rename, [0]
 
@@ -100,16 +107,124 @@ def test_a_save_stopped_between_its_renames_says_where_the_programs_are(
 
     monkeypatch.setattr(_manifest.os, "rename", rename)
     with pytest.raises(KeyboardInterrupt):
-        export_per_policy(model, (X,), policies=["disable"], directory=folder)
+        export_per_policy(model, (X,), policies=["disable"], directory=named)
     monkeypatch.undo()
     (aside,) = _leftovers(folder)
     with pytest.raises(
         FileNotFoundError, match=rf"interrupted while replacing it: the previous programs are in {aside}"
     ):
-        load_per_policy(folder)
+        load_per_policy(named)
     (folder.parent / aside).rename(folder)
     with kp.kernel_policy("prefer"):
-        assert kernel_ran(load_per_policy(folder)(X))
+        assert kernel_ran(load_per_policy(named)(X))
+
+
+def _contents(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in folder.iterdir()}
+
+
+RESAVE = """
+import sys, torch
+from kernelpolicy.artifacts import export_per_policy
+from kernelpolicy.testing import DemoModel
+
+for folder in sys.argv[1:]:
+    try:
+        export_per_policy(DemoModel(16).eval(), (torch.ones(2, 16),), policies=["disable"], directory=folder)
+    except PermissionError as error:
+        print(error)
+    else:
+        print("saved")
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="drops capabilities with Linux's capset")
+def test_a_resave_into_a_read_only_folder_is_refused_before_anything_is_written(
+    model: DemoModel, tmp_path: Path
+) -> None:
+    folder, locked = tmp_path / "programs", tmp_path / "locked" / "programs"
+    for where in (folder, locked):
+        export_per_policy(model, (X,), policies=["prefer", "disable"], directory=where)
+    before = {where: _contents(where) for where in (folder, locked)}
+    folder.chmod(0o555)  # the folder read-only: its old programs cannot be removed
+    locked.parent.chmod(0o555)  # its parent read-only: the new folder cannot be made beside it
+    try:
+        done = as_ordinary_user(RESAVE, str(folder), str(locked))
+    finally:
+        folder.chmod(0o755)
+        locked.parent.chmod(0o755)
+    assert done.returncode == 0, done.stderr
+    said = done.stdout.strip().splitlines()
+    # was: the save swapped the folders, then failed to remove the old one: the new programs in the folder,
+    # the old ones in a hidden sibling, and a bare PermissionError
+    assert said[0].endswith(
+        f"kernelpolicy: cannot save programs in {folder}: {folder} is not writable by this process, and a save "
+        f"removes its old programs once the new ones are in place. Nothing was written; make it writable "
+        f"(chmod u+w {folder}) or pass another directory="
+    ), said
+    assert f"cannot save programs in {locked}: {locked.parent} is not writable by this process" in said[1], said
+    for where in (folder, locked):
+        assert _contents(where) == before[where] and _leftovers(where) == []
+        programs = load_per_policy(where)
+        with kp.kernel_policy("prefer"):
+            assert kernel_ran(programs(X))
+
+
+@pytest.mark.parametrize("exchange", [True, False], ids=["exchange", "renamed-aside"])
+@pytest.mark.parametrize("stuck", [MANIFEST, "program-1.pt2"])
+def test_old_programs_that_cannot_be_removed_are_put_back_or_named(
+    model: DemoModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, exchange: bool, stuck: str
+) -> None:
+    """What the permission check cannot see (an immutable file, a sticky folder): removing ``stuck`` fails."""
+    folder = tmp_path / "programs"
+    export_per_policy(model, (X,), policies=["prefer", "disable"], directory=folder)
+    before = _contents(folder)
+    if not exchange:
+        monkeypatch.setattr(_manifest, "_exchange", lambda a, b: False)
+    real, blocked = os.unlink, (folder / stuck).stat().st_ino  # that file cannot be removed, as if immutable
+
+    def unlink(path: Any, *args: Any, dir_fd: int | None = None, **kwargs: Any) -> None:
+        if os.stat(path, dir_fd=dir_fd, follow_symlinks=False).st_ino == blocked:
+            raise PermissionError(errno.EPERM, os.strerror(errno.EPERM), str(path))
+        real(path, *args, dir_fd=dir_fd, **kwargs)
+
+    monkeypatch.setattr(os, "unlink", unlink)
+    if stuck == MANIFEST:  # nothing of the old folder removed: it is put back, the save fails
+        with pytest.raises(PermissionError, match=r"old programs could not be removed .*put back as they were"):
+            export_per_policy(model, (X,), policies=["disable"], directory=folder)
+        monkeypatch.undo()
+        assert _contents(folder) == before and _leftovers(folder) == []
+    else:  # the old manifest removed: the save stands, and what is left is named
+        with pytest.warns(RuntimeWarning, match=r"saved the programs in .*part of the old ones could not be removed"):
+            export_per_policy(model, (X,), policies=["disable"], directory=folder)
+        monkeypatch.undo()
+        assert sorted(_contents(folder)) == [MANIFEST, "program-0.pt2"]
+        (left,) = _leftovers(folder)
+        assert sorted(p.name for p in (folder.parent / left).iterdir()) == ["program-1.pt2"]
+    programs = load_per_policy(folder)
+    assert [str(p) for p in programs.policies] == (["prefer", "disable"] if stuck == MANIFEST else ["disable"])
+    with kp.kernels_disabled():
+        assert not kernel_ran(programs(X))
+
+
+@pytest.mark.parametrize("exchange", [True, False], ids=["exchange", "renamed-aside"])
+def test_a_linked_folder_is_saved_through_its_link(
+    model: DemoModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, exchange: bool
+) -> None:
+    release = tmp_path / "release-v1"
+    export_per_policy(model, (X,), policies=["prefer"], directory=release)
+    latest = tmp_path / "latest"
+    latest.symlink_to("release-v1")
+    if not exchange:
+        monkeypatch.setattr(_manifest, "_exchange", lambda a, b: False)
+    export_per_policy(model, (X,), policies=["disable"], directory=latest)
+    # was: the link swapped out (a hidden name beside it), a real folder named latest, and rmtree's OSError
+    assert latest.is_symlink() and os.readlink(latest) == "release-v1"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "release-v1"]
+    programs = load_per_policy(latest)
+    assert [str(p) for p in programs.policies] == ["disable"]
+    with kp.kernels_disabled():
+        assert not kernel_ran(programs(X))
 
 
 def test_a_folder_with_other_files_is_not_replaced(model: DemoModel, tmp_path: Path) -> None:
