@@ -28,10 +28,12 @@ warning names what is left. A folder that is a symbolic link (``latest -> releas
 its target is replaced and the link kept, as writing a file through a link would.
 
 Reading (:func:`read_manifest`) checks the whole manifest before anything is loaded, and names the manifest
-file in every error: valid JSON; an object with ``format`` :data:`FORMAT`, a known ``kind``, a ``torch``
-text and a non-empty ``programs`` list of objects with a ``policy`` text and a ``file`` text; each file a
-plain name inside the folder that exists; no policy or file listed twice; and ``layers`` as written. The
-torch release is checked by ``artifacts`` (it decides what a mismatch means for each kind).
+file in every error: a file this process can read; valid JSON (in UTF-8 as written, or in UTF-16 or UTF-32,
+with or without a byte order mark, as an editor may re-save it: the encodings JSON's bytes may have); an
+object with ``format`` :data:`FORMAT`, a known ``kind``, a ``torch`` text and a non-empty ``programs`` list of
+objects with a ``policy`` text and a ``file`` text; each file a plain name inside the folder that exists; no
+policy or file listed twice; and ``layers`` as written. The torch release is checked by ``artifacts`` (it
+decides what a mismatch means for each kind).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ import json
 import os
 import secrets
 import shutil
+import stat
 import sys
 import warnings
 from pathlib import Path
@@ -237,14 +240,22 @@ def read_manifest(folder: Path) -> Manifest:
     """The checked manifest of ``folder`` (see the module docstring); every error names the manifest file."""
     path = folder / MANIFEST
     try:
-        text = path.read_text()
+        if not stat.S_ISREG(path.stat().st_mode):  # a folder, a pipe (reading one would wait for a writer)
+            raise _bad(path, "is not a file")
+        data = path.read_bytes()
     except (FileNotFoundError, NotADirectoryError):
         raise FileNotFoundError(
             f"kernelpolicy: {folder} has no {MANIFEST}{_interrupted(folder)}; save programs with "
             "kernelpolicy.artifacts.export_per_policy or compile_per_policy"
         ) from None
+    except OSError as error:  # no permission to read it, an I/O error
+        raise OSError(
+            error.errno, f"kernelpolicy: cannot read {path}: {error.strerror}; check its permissions (chmod a+r)"
+        ) from None
     try:
-        manifest = json.loads(text)
+        manifest = json.loads(data)  # UTF-8 as written, or UTF-16 or UTF-32 re-saved by an editor: JSON's encodings
+    except UnicodeDecodeError as error:
+        raise _bad(path, f"is not JSON text in UTF-8, UTF-16 or UTF-32 ({error}): it was edited") from None
     except json.JSONDecodeError as error:
         raise _bad(path, f"is not valid JSON ({error}): it was cut short or edited") from None
     if not isinstance(manifest, dict):

@@ -281,6 +281,59 @@ def test_damaged_manifests_are_refused_naming_the_file(model: DemoModel, tmp_pat
         assert "save the programs again" in str(raised.value), name
 
 
+@pytest.mark.timeout(120)  # was: reading a pipe in the manifest's place waited for a writer
+def test_a_manifest_in_another_encoding_loads_and_one_that_cannot_be_read_names_the_file(
+    model: DemoModel, tmp_path: Path
+) -> None:
+    folder = tmp_path / "programs"
+    export_per_policy(model, (X,), policies=["prefer", "disable"], directory=folder)
+    manifest = folder / MANIFEST
+    good = manifest.read_text()
+    for encoding in ("utf-16", "utf-16-le", "utf-8-sig", "utf-32"):  # re-saved by an editor (was: UnicodeDecodeError)
+        manifest.write_text(good, encoding=encoding)
+        programs = load_per_policy(folder)
+        assert [str(p) for p in programs.policies] == ["prefer", "disable"], encoding
+        with kp.kernel_policy("prefer"):
+            assert kernel_ran(programs(X)), encoding
+    manifest.write_bytes(good.replace('"disable"', '"d\u00e9sable"').encode("latin-1"))  # in no JSON encoding
+    with pytest.raises(
+        ValueError, match=r"is not JSON text in UTF-8, UTF-16 or UTF-32 \('utf-8' codec can't"
+    ) as raised:
+        load_per_policy(folder)
+    assert str(manifest) in str(raised.value) and "save the programs again" in str(raised.value)
+    manifest.unlink()
+    for make, remove in ((Path.mkdir, Path.rmdir), (os.mkfifo, Path.unlink)):  # a folder, a pipe
+        make(manifest)
+        with pytest.raises(ValueError, match=rf"{re.escape(str(manifest))} is not a file; save the programs again"):
+            load_per_policy(folder)
+        remove(manifest)
+
+
+READ = """
+import sys
+from pathlib import Path
+from kernelpolicy._manifest import read_manifest
+
+try:
+    read_manifest(Path(sys.argv[1]))
+except OSError as error:
+    print(type(error).__name__, error)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="drops capabilities with Linux's capset")
+def test_a_manifest_this_process_cannot_read_names_the_file(model: DemoModel, tmp_path: Path) -> None:
+    folder = tmp_path / "programs"
+    export_per_policy(model, (X,), policies=["prefer"], directory=folder)
+    (folder / MANIFEST).chmod(0)
+    done = as_ordinary_user(READ, str(folder))  # what load_per_policy reads first (no torch to import)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == (  # was: PermissionError: [Errno 13] Permission denied: '.../kernelpolicy-...'
+        f"PermissionError [Errno 13] kernelpolicy: cannot read {folder / MANIFEST}: Permission denied; check its "
+        "permissions (chmod a+r)"
+    )
+
+
 def test_programs_of_another_torch_release(model: DemoModel, tmp_path: Path) -> None:
     folder = tmp_path / "programs"
     export_per_policy(model, (X,), policies=["prefer"], directory=folder)
