@@ -28,7 +28,10 @@ every non-wrapper implementation (skip evaluation, fixture setup and
 teardown), and a bad marker raising before the setup wrapper yields leaves
 the outer wrappers (logging, capture) in the state their teardown expects.
 Markers are read at setup, not at collection. A test with no marker and no
-run-wide option gets no scope at all. Module- and session-scoped fixtures set
+run-wide option gets no scope at all. The kernel variants that the run-wide
+option and the markers name are checked once the fixtures have run (they may
+bind them), before the test is called: a variant bound nowhere in the process
+by then fails the test, naming the option or marker. Module- and session-scoped fixtures set
 up (or torn down) during a test's setup (or teardown) see that test's policy;
 one that holds a scope of its own across tests would be exited out of order
 and is reported as a :class:`~kernelpolicy.errors.ScopeError` at teardown.
@@ -68,6 +71,7 @@ OPTION = "--kernel-policy"
 _INI = "kernel_policy"
 
 _RUN_SCOPE = pytest.StashKey["kernel_policy | None"]()
+_RUN_SOURCE = pytest.StashKey[str]()  # the run-wide scope's option and text, for its variant check's error
 _TEST_SCOPES = pytest.StashKey[contextlib.ExitStack]()
 
 
@@ -130,6 +134,8 @@ def pytest_configure(config: pytest.Config) -> None:
             scope = scope_from_text(text, source)
         except PolicyError as error:
             raise pytest.UsageError(str(error)) from None
+        scope._deferred = True  # as a marker's: its variants may be bound by each test's fixtures (checked at call)
+        config.stash[_RUN_SOURCE] = f"{source} {text!r}"
     config.stash[_RUN_SCOPE] = scope
 
 
@@ -199,12 +205,16 @@ def pytest_runtest_setup(item: pytest.Item) -> Generator[None, None, None]:
 
 @pytest.hookimpl(wrapper=True, trylast=True)
 def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
-    """The fixtures have run: the variants the markers name must be bound now."""
+    """The fixtures have run: the variants the run-wide option and the markers name must be bound now."""
     if item.stash.get(_TEST_SCOPES, None) is not None:
         policy = current_policy()
         if policy._names_variants:
+            named = [
+                item.config.stash.get(_RUN_SOURCE, ""),
+                f"@pytest.mark.{MARKER}" if item.get_closest_marker(MARKER) else "",
+            ]
             try:
-                check_variants(policy, f"@pytest.mark.{MARKER}")
+                check_variants(policy, " with ".join(filter(None, named)))
             except PolicyError as error:
                 problem = str(error)
             else:

@@ -388,3 +388,46 @@ def test_a_marker_names_a_variant_its_own_fixture_binds(run: Run) -> None:
     )
     result.assert_outcomes(passed=1, failed=1)
     result.stdout.fnmatch_lines(["*@pytest.mark.kernel_policy: no kernel variant 'mnever' is bound*"])
+
+
+VARIANT_TESTS = """
+import pytest
+import torch
+import kernelpolicy
+from kernelpolicy.testing import DemoModel, local_mapping, rms_norm_kernel_source, write_kernel_repo
+
+@pytest.fixture
+def model(tmp_path):
+    model = DemoModel(16).eval()
+    for name, offset in (("default", 1.0), ("mfix", 50.0)):
+        repo = write_kernel_repo(tmp_path / name, rms_norm_kernel_source(offset=offset), name=f"n-{name}")
+        with local_mapping({"RMSNorm": repo}, inherit=False):
+            kernelpolicy.kernelize(model, mode="inference", device="cpu", variant=None if name == "default" else name)
+    return model
+
+def test_bound_by_the_fixture(model):
+    assert str(kernelpolicy.current_policy()) == "prefer,RMSNorm=kernel:mfix"
+    assert model(torch.ones(2, 16)).mean().item() > 40
+
+@pytest.mark.kernel_policy(SiLU="disable")
+def test_marked_too(model):
+    assert model(torch.ones(2, 16)).mean().item() > 40
+"""
+
+
+def test_the_run_wide_option_names_a_variant_the_fixtures_bind(run: Run, pytester: pytest.Pytester) -> None:
+    """As a marker's, the run-wide scope's variants are checked once the test's fixtures have run (issue 41)."""
+    # was: every test errored at setup ("kernel_policy: no kernel variant 'mfix' is bound ... none yet")
+    result = run(VARIANT_TESTS, "--kernel-policy=RMSNorm=kernel:mfix", in_subprocess=True)
+    result.assert_outcomes(passed=2)
+    pytester.makeini("[pytest]\nkernel_policy = RMSNorm=kernel:mnever\n")  # the ini option: the same check
+    result = run(VARIANT_TESTS, in_subprocess=True)
+    result.assert_outcomes(failed=2)
+    result.stdout.fnmatch_lines(
+        [
+            "ini option kernel_policy 'RMSNorm=kernel:mnever': "
+            "no kernel variant 'mnever' is bound for kernel layer 'RMSNorm'*bound: 'mfix', and 'default'*",
+            "ini option kernel_policy 'RMSNorm=kernel:mnever' with "
+            "@pytest.mark.kernel_policy: no kernel variant 'mnever'*",
+        ]
+    )
