@@ -183,8 +183,9 @@ def main(rounds: int = 4, requests: int = 16, new_tokens: int = 64, size: str = 
     return results
 
 
-def compiled(requests: int = 8, new_tokens: int = 8) -> tuple[int, int]:
-    """(graphs compiled by the warm-up, graphs compiled after it while the mix of 2 policies changes)."""
+def compiled(requests: int = 8, new_tokens: int = 8) -> dict[str, tuple[int, int]]:
+    """Per arm, (graphs compiled by the warm-up, graphs compiled after it): the same requests under one policy,
+    and under 2 policies whose mix changes from batch to batch (the first i requests under one, for each i)."""
     from torch._dynamo.utils import counters
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
@@ -195,27 +196,32 @@ def compiled(requests: int = 8, new_tokens: int = 8) -> tuple[int, int]:
     config = transformers.GenerationConfig(  # type: ignore[no-untyped-call]
         max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0
     )
-    manager = aware.init_continuous_batching(
-        generation_config=config,
-        continuous_batching_config=ContinuousBatchingConfig(
-            num_blocks=256, max_batch_tokens=512, default_compile_level=1
-        ),
-    )
-    batching.policy_aware(manager, policies=POLICIES[1:2])
-    before = counters["stats"]["unique_graphs"]
-    manager.warmup()
-    warm = counters["stats"]["unique_graphs"]
-    manager.start()
-    generator = torch.Generator().manual_seed(1)
-    try:
-        for split in range(requests + 1):  # the first `split` requests under one policy, the rest the other
-            prompts = [torch.randint(1, 256, (6,), generator=generator).tolist() for _ in range(requests)]
-            _workload(manager, prompts, [POLICIES[int(i >= split)] for i in range(requests)], new_tokens, paired=True)
-    finally:
-        manager.stop(block=True, timeout=60)
-    after = counters["stats"]["unique_graphs"]
-    print(f"compiled (default_compile_level=1): {warm - before} graphs in the warm-up, {after - warm} after it")
-    return warm - before, after - warm
+    counts: dict[str, tuple[int, int]] = {}
+    for label, served in (("one policy", POLICIES[:1]), ("2 policies, the mix changing", POLICIES[:2])):
+        torch._dynamo.reset()
+        manager = aware.init_continuous_batching(
+            generation_config=config,
+            continuous_batching_config=ContinuousBatchingConfig(
+                num_blocks=256, max_batch_tokens=512, default_compile_level=1
+            ),
+        )
+        batching.policy_aware(manager, policies=served[1:])
+        before = counters["stats"]["unique_graphs"]
+        manager.warmup()
+        warm = counters["stats"]["unique_graphs"]
+        manager.start()
+        generator = torch.Generator().manual_seed(1)
+        try:
+            for split in range(requests + 1):  # the first `split` requests under one policy, the rest the other
+                prompts = [torch.randint(1, 256, (6,), generator=generator).tolist() for _ in range(requests)]
+                chosen = [served[int(i >= split) % len(served)] for i in range(requests)]
+                _workload(manager, prompts, chosen, new_tokens, paired=True)
+        finally:
+            manager.stop(block=True, timeout=60)
+        counts[label] = (warm - before, counters["stats"]["unique_graphs"] - warm)
+    for label, (warm_up, after) in counts.items():
+        print(f"compiled (default_compile_level=1), {label}: {warm_up} graphs in the warm-up, {after} after it")
+    return counts
 
 
 if __name__ == "__main__":

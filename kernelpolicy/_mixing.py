@@ -240,8 +240,11 @@ class Members:
         self.step = step
         self.slots = slots
         self.policies = tuple(step.policies[slot] for slot in slots)
-        #: Per layer name, whether each slot's policy has the kernel on (what a compiled program selects by).
+        #: Per layer name, whether each slot's policy has the kernel on (what a compiled program selects by): made
+        #: for every known layer at once, since a program is guarded on which names the dict holds.
         self.kernel_slots: dict[str, torch.Tensor] = {}
+        for name in known_layers():
+            self.kernel_on(name)
 
     def kernel_on(self, name: str) -> torch.Tensor:
         found = self.kernel_slots.get(name)

@@ -224,7 +224,7 @@ class _Rows:
             buffer = self.buffers[pair] = torch.zeros(
                 max(self.size, len(host_rows)), dtype=torch.long, device=step.device
             )
-        view = buffer[: len(host_rows)]
+        view = buffer[: len(host_rows)].detach()  # the buffer's memory, not a view: no guard on the buffer's size
         view.copy_(torch.tensor(host_rows, dtype=torch.long), non_blocking=True)
         return _Batch(table, recorders, view, host_rows, slot_recorders, by_id)
 
@@ -319,18 +319,17 @@ def _wrap_processor(processor: Any, requests: _Requests) -> None:
         return kept, kept_tokens, None if logprobs is None else kept_logprobs
 
     def warm_up(model: Any) -> None:
+        served = tuple(dict.fromkeys((current_policy(), *requests.policies)))
+        if rows.static and len(served) > 1 and mixable(served, requests.layers):
+            for policy in served:
+                rows.step.slot(policy)
+            with mixed_scope(rows.table(tuple(range(len(rows.step.policies))), False), ()):
+                warmup(model)  # the one program of the mix, which every compiled step runs from now on
+            return
         warmup(model)
         for policy in requests.policies:
             with kernel_policy(policy):
                 warmup(model)
-        served = (current_policy(), *requests.policies)
-        if rows.static and len(set(served)) > 1:
-            for policy in served:
-                rows.step.slot(policy)
-            if mixable(tuple(rows.step.policies), requests.layers):
-                table = rows.table(tuple(range(len(rows.step.policies))), False)
-                with mixed_scope(table, ()):
-                    warmup(model)  # the program of the mix, which every mixed step runs
 
     ios.prepare_batch_tensors = prepare_batch_tensors
     ios.prepare_batch_update = prepare_batch_update
