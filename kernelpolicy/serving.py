@@ -132,10 +132,13 @@ class PolicyHeader:
             await self.app(scope, receive, send)
 
 
+def _error_body(message: str, code: str, *, kind: str = "invalid_request_error", param: str | None = HEADER) -> Any:
+    """An error in OpenAI's shape."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
 async def _json_error(send: Any, message: str, status: int, code: str) -> None:
-    body = json.dumps(
-        {"error": {"message": message, "type": "invalid_request_error", "param": HEADER, "code": code}}
-    ).encode()
+    body = json.dumps(_error_body(message, code)).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
@@ -152,6 +155,19 @@ async def _metrics_route(request: Any) -> Any:
     return Response(body, media_type=content_type)
 
 
+class _RequestFailedError(Exception):
+    """A generation request the model's process failed (its error, as the engine sends it: text)."""
+
+
+async def _request_failed(request: Any, error: Exception) -> Any:
+    """A request the model failed (a kernel's error, ``--verify-fail``'s mismatch, ...), not streaming: a 500 in
+    OpenAI's error shape, answered like any other response (the connection stays open for the next request); a
+    streaming request gets transformers' error event instead."""
+    from starlette.responses import JSONResponse
+
+    return JSONResponse(_error_body(str(error), "request_failed", kind="server_error", param=None), status_code=500)
+
+
 def _install_api_side() -> None:
     """Every app transformers builds gets the middleware; every request queued carries its policy."""
     server = _compat.lookup(_owner(_compat.SERVING_BUILD))
@@ -161,6 +177,7 @@ def _install_api_side() -> None:
         app = build(*args, **kwargs)
         app.add_middleware(PolicyHeader)
         app.add_route("/metrics", _metrics_route, methods=["GET"])
+        app.add_exception_handler(_RequestFailedError, _request_failed)
         return app
 
     server.build_server = build_server
@@ -173,7 +190,14 @@ def _install_api_side() -> None:
 
             inputs, settings = args
             args = (inputs, {**settings, _KEY: str(current_policy())})
-            return await _metrics.observe_request(lambda: send(self, method, args, streamer), streamer)
+            try:
+                return await _metrics.observe_request(lambda: send(self, method, args, streamer), streamer)
+            except RuntimeError as error:
+                # the engine sends a request's failure as a plain RuntimeError (its text); transformers' handlers
+                # keep theirs: EngineDeadError, a RuntimeError's subclass (a 503), and ValueError (a 400)
+                if type(error) is not RuntimeError:
+                    raise
+                raise _RequestFailedError(str(error)) from error
         return await send(self, method, args, streamer)
 
     client._send_request = _send_request

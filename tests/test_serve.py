@@ -602,6 +602,65 @@ def test_the_canary_policy_verifies_what_would_run_a_kernel() -> None:
     assert canary(kp.Policy.parse("verify"), fail=False) is None
 
 
+def _on_one_connection(url: str, *requests: tuple[dict[str, Any], dict[str, str]]) -> list[tuple[int, str, Any]]:
+    """Each non-streaming chat request (its body, its headers) in turn on one keep-alive HTTP/1.1 connection (a raw
+    socket: a client library would open another if the server closed it); each answer's status, content type and
+    body (JSON, else text). A connection the server closes or resets fails the call."""
+    host, port = url.removeprefix("http://").split(":")
+    answers: list[tuple[int, str, Any]] = []
+    with socket.create_connection((host, int(port)), timeout=120) as connection:
+        for body, headers in requests:
+            payload = json.dumps(body).encode()
+            lines = ["POST /v1/chat/completions HTTP/1.1", f"Host: {host}", "Content-Type: application/json"]
+            lines += [f"Content-Length: {len(payload)}", *(f"{name}: {value}" for name, value in headers.items())]
+            connection.sendall("\r\n".join(lines).encode() + b"\r\n\r\n" + payload)
+            received = b""
+            while b"\r\n\r\n" not in received:
+                chunk = connection.recv(65536)
+                assert chunk, f"the server closed the connection: {received!r}"
+                received += chunk
+            head, _, content = received.partition(b"\r\n\r\n")
+            status_line, *fields = head.decode("latin-1").split("\r\n")
+            found = {name.lower(): value.strip() for name, _, value in (f.partition(":") for f in fields)}
+            assert found.get("connection", "").lower() != "close", head
+            while len(content) < int(found["content-length"]):
+                chunk = connection.recv(65536)
+                assert chunk, f"the server closed the connection: {head!r}"
+                content += chunk
+            kind = found.get("content-type", "")
+            answers.append((int(status_line.split()[1]), kind, json.loads(content) if "json" in kind else content))
+    return answers
+
+
+@pytest.mark.slow
+@needs_serve
+def test_a_request_the_canary_fails_gets_a_json_500_and_the_connection_serves_the_next(
+    model_and_kernel: tuple[Any, Any, Any, Any],
+) -> None:
+    """``--verify-sample 1 --verify-fail``, not streaming: the mismatch fails the request with an error in OpenAI's
+    shape (was: a bare text/plain "Internal Server Error", "Exception in ASGI application" logged, the keep-alive
+    connection reset); the next request on the same connection gets its answer."""
+    root, folder, repo, reference = model_and_kernel
+    model = str(folder)
+
+    def body(prompt: list[int]) -> dict[str, Any]:
+        messages = [{"role": "user", "content": words(prompt)}]
+        return {"model": model, "messages": messages, "max_tokens": TOKENS, "temperature": 0}
+
+    with _server(root, folder, repo, "--verify-sample", "1", "--verify-fail") as url:
+        failed, served = _on_one_connection(url, (body(PROMPTS[0]), {}), (body(PROMPTS[1]), {HEADER: "disable"}))
+        log = root / f"server-{url.rpartition(':')[2]}.log"
+    status, kind, error = failed
+    assert (status, kind) == (500, "application/json"), failed
+    assert set(error) == {"error"} and error["error"]["type"] == "server_error", error
+    assert error["error"]["code"] == "request_failed" and error["error"]["param"] is None, error
+    message = error["error"]["message"]
+    assert "kernel output differs from the original forward for module 'model.layers.0.input_layernorm'" in message
+    status, kind, answer = served  # disable: not sampled
+    assert status == 200 and ids(answer["choices"][0]["message"]["content"]) == solo(reference, "disable", PROMPTS[1])
+    assert "Exception in ASGI application" not in log.read_text()
+
+
 def test_a_bad_verify_sample_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     from kernelpolicy import serving
 
