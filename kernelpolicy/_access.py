@@ -117,11 +117,12 @@ class Access:
         if not self.header:
             return f"the {HEADER} header is ignored: every request runs under the server's default {str(default)!r}"
         modes = (
-            f"modes {', '.join(map(repr, self.modes))} for the default and any layer (no variants, no options)"
+            f"modes {', '.join(map(repr, dict.fromkeys(self.modes)))} for the default and any layer (no variants, "
+            "no options)"
             if self.modes
             else "no mode by itself"
         )
-        listed = "".join(f", {str(p)!r}" for p in self.policies)
+        listed = "".join(f", {str(p)!r}" for p in dict.fromkeys(self.policies) if p != default)  # each named once
         return f"allowed: {modes}; the policies {str(default)!r} (the default){listed}"
 
     def label(self, policy: Policy, default: Policy) -> str:

@@ -135,6 +135,25 @@ def test_the_operator_lists_whole_policies_and_modes() -> None:
     assert with_verify.refusal(kp.Policy.parse("verify,on_mismatch=warn"), kp.Policy()) is not None  # an option
 
 
+#: The 403's message under the default rules, word for word: each allowed mode and policy named once.
+REFUSED_VERIFY = (
+    "policy 'verify' (header X-Kernel-Policy) is not allowed on this server; allowed: modes 'prefer', 'disable' for "
+    "the default and any layer (no variants, no options); the policies 'prefer' (the default)"
+)
+
+
+def test_the_refusal_names_each_allowed_mode_and_policy_once() -> None:
+    """The server's default listed again (``--allow-policy prefer``, or a text equal to it), a mode given twice: the
+    403 names each once (was: ``'prefer' (the default), 'prefer'``)."""
+    for policies in (["prefer"], ["prefer", " prefer ", "prefer,RMSNorm=prefer"]):
+        access = Access.from_options("prefer,disable,prefer", policies)
+        status, error, _ = _run(access, b"verify")
+        assert status == 403 and error is not None and error["message"] == REFUSED_VERIFY, policies
+    status, error, _ = _run(Access.from_options(None, ["disable,RMSNorm=verify", "prefer"]), b"verify")
+    assert status == 403 and error is not None
+    assert error["message"].endswith("the policies 'prefer' (the default), 'disable,RMSNorm=verify'")
+
+
 def test_the_header_can_be_ignored() -> None:
     access = Access.from_options(None, [], ignore_header=True)
     assert _run(access, b"verify")[2] == "prefer"
@@ -399,6 +418,23 @@ def test_load_concurrent_streams_in_two_policies_get_their_solo_tokens(
             print(
                 f"\n  {policy}: {tokens} tokens in {max(ends):.2f} s ({tokens / max(ends):.1f} tokens/s; wall {wall:.2f} s)"
             )
+
+
+@pytest.mark.slow
+@needs_serve
+def test_allowing_the_default_again_names_it_once_in_the_403_and_the_start_up_line(
+    model_and_kernel: tuple[Any, Any, Any, Any],
+) -> None:
+    """``--allow-policy prefer`` on a server whose default is ``prefer``: the 403 and the line the server prints when
+    it starts name ``'prefer'`` once (was: twice)."""
+    root, folder, repo, reference = model_and_kernel
+    with _server(root, folder, repo, "--allow-policy", "prefer") as url:
+        status, body = chat(url, str(folder), PROMPTS[1], "verify")
+        assert status == 403 and body["error"]["message"] == REFUSED_VERIFY, body
+        status, body = chat(url, str(folder), PROMPTS[1], "prefer")
+        assert status == 200 and ids(body["choices"][0]["message"]["content"]) == solo(reference, "prefer", PROMPTS[1])
+        log = (root / f"server-{url.rpartition(':')[2]}.log").read_text()
+    assert f"kernelpolicy serve: {REFUSED_VERIFY.partition('; ')[2]}\n" in log, log[:2000]
 
 
 @pytest.mark.slow
