@@ -357,6 +357,46 @@ def _own_options(argv: list[str]) -> tuple[dict[str, list[str]], list[str]]:
     return own, rest
 
 
+#: The signals whose default action ends the command without its exit handlers: handled to remove the metrics folder
+#: first (SIGINT raises KeyboardInterrupt, which runs them).
+_STOPPING = ("SIGTERM", "SIGHUP")
+
+
+def _remove_at_exit(folder: str) -> None:
+    """Remove the metrics folder the command made when it exits: normally, by an exception (Ctrl+C), or by a signal
+    of :data:`_STOPPING` (SIGTERM, which Docker and Kubernetes send, and which uvicorn re-raises once it has drained),
+    which then ends the command as it would have (exit status -15 for SIGTERM). The processes the server spawned go
+    first: the model's process is stopped as a normal exit stops it (terminated: it is a daemon), and each is waited
+    for a while, so that none still writes its counts there."""
+    import atexit
+    import multiprocessing
+    import shutil
+    import signal
+    import threading
+
+    def remove() -> None:
+        children = multiprocessing.active_children()
+        for child in children:
+            if child.daemon:
+                child.terminate()
+        for child in children:
+            child.join(5)
+        shutil.rmtree(folder, ignore_errors=True)
+
+    def stopped(number: int, frame: object) -> None:
+        signal.signal(number, signal.SIG_DFL)
+        remove()
+        signal.raise_signal(number)
+
+    atexit.register(remove)
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for name in _STOPPING:
+        number = getattr(signal, name, None)
+        if number is not None and signal.getsignal(number) is signal.SIG_DFL:  # one the caller set is left as it is
+            signal.signal(number, stopped)
+
+
 def main(argv: list[str]) -> int:
     """``python -m kernelpolicy serve [--kernel NAME=PATH ...] [--allow-modes MODES] [--allow-policy POLICY ...]
     [--ignore-policy-header] [--verify-sample FRACTION [--verify-fail]] MODEL [transformers serve options]``."""
@@ -411,10 +451,7 @@ def main(argv: list[str]) -> int:
         os.environ[KERNELS_ENV] = json.dumps(kernels)
     made = _metrics.prepare()  # before prometheus_client's values are made, in this process and those it spawns
     if made is not None:
-        import atexit
-        import shutil
-
-        atexit.register(shutil.rmtree, made, ignore_errors=True)
+        _remove_at_exit(made)
     os.environ[ACCESS_ENV] = access.to_json()  # the API server processes read it too
     os.environ[CANARY_ENV] = json.dumps({"sample": sample, "fail": "--verify-fail" in own})
     from ._active import current_policy

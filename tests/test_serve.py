@@ -255,6 +255,15 @@ def _free_port() -> int:
 @contextlib.contextmanager
 def _server(root: Any, folder: Any, repo: Any, *options: str, env: dict[str, str] | None = None) -> Iterator[str]:
     """``python -m kernelpolicy serve`` on 127.0.0.1 (continuous batching, ``--kernel RMSNorm=repo``); its URL."""
+    with _started(root, folder, repo, *options, env=env) as (_, url):
+        yield url
+
+
+@contextlib.contextmanager
+def _started(
+    root: Any, folder: Any, repo: Any, *options: str, env: dict[str, str] | None = None
+) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """:func:`_server`'s command, its process and URL; what is left of its process group is stopped after."""
     import httpx
 
     port = _free_port()
@@ -277,7 +286,7 @@ def _server(root: Any, folder: Any, repo: Any, *options: str, env: dict[str, str
             if server.poll() is not None or time.monotonic() > deadline:
                 pytest.fail("the server did not start:\n" + log_path.read_text()[-3000:])
             time.sleep(0.5)
-        yield url
+        yield server, url
     finally:
         with contextlib.suppress(ProcessLookupError):  # gone already: it failed to start
             os.killpg(server.pid, signal.SIGTERM)  # the server and the processes it spawned, nothing else
@@ -695,6 +704,54 @@ def test_a_request_the_canary_fails_gets_a_json_500_and_the_connection_serves_th
     status, kind, answer = served  # disable: not sampled
     assert status == 200 and ids(answer["choices"][0]["message"]["content"]) == solo(reference, "disable", PROMPTS[1])
     assert "Exception in ASGI application" not in log.read_text()
+
+
+@pytest.mark.slow
+@needs_serve
+@pytest.mark.parametrize(
+    ("stop", "servers", "status"),
+    [
+        (signal.SIGTERM, "1", -signal.SIGTERM),
+        (signal.SIGINT, "1", None),
+        (signal.SIGHUP, "1", -signal.SIGHUP),
+        (signal.SIGTERM, "2", 0),  # several API servers: transformers' supervisor exits with 0 on SIGTERM
+    ],
+    ids=["term", "int", "hup", "term-2"],
+)
+def test_stopping_the_command_leaves_no_metrics_folder_and_no_process(
+    model_and_kernel: tuple[Any, Any, Any, Any], tmp_path: Any, stop: signal.Signals, servers: str, status: int | None
+) -> None:
+    """A signal to the command's own process (SIGTERM: what Docker and Kubernetes send; SIGINT: Ctrl+C; SIGHUP: its
+    terminal closed), with one API server or two: the command stops the processes it spawned and removes the metrics
+    folder it made in the temp directory (was: SIGTERM and SIGHUP left a ``kernelpolicy-metrics-*`` folder behind,
+    one per start); its exit status is the one the signal gave before."""
+    root, folder, repo, _ = model_and_kernel
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    # the command makes the metrics folder (none given); torch's cache goes elsewhere
+    env = {"TMPDIR": str(temp), "PROMETHEUS_MULTIPROC_DIR": "", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    with _started(root, folder, repo, "--api-server-count", servers, env=env) as (server, url):
+        assert chat(url, str(folder), PROMPTS[0], "disable")[0] == 200
+        made = [path.name for path in temp.iterdir()]
+        assert len(made) == 1 and made[0].startswith("kernelpolicy-metrics-"), made
+        assert any((temp / made[0]).iterdir())  # the counts of the request, in files
+        server.send_signal(stop)  # to the command's process only, as a process manager sends it
+        code = server.wait(120)
+        deadline = time.monotonic() + 30  # the processes it spawned (the model's, the API servers) exit with it
+        while _alive(server.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _alive(server.pid), "a process the command spawned outlived it"
+    assert list(temp.iterdir()) == []
+    assert status is None or code == status
+
+
+def _alive(group: int) -> bool:
+    """Whether a process of process group ``group`` (a server started in a session of its own) is still running."""
+    try:
+        os.killpg(group, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def test_a_bad_verify_sample_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
