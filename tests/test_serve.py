@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import textwrap
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -33,6 +34,35 @@ from kernelpolicy.serving import HEADER, MAX_HEADER, PolicyHeader, parse_header
 
 PROMPTS = [[5, 6, 7], [9, 8], [40, 41, 42, 43], [100], [7, 7, 7], [200, 3], [11, 12, 13], [60, 61]]
 TOKENS = 6
+#: The token a marker kernel raises on (:func:`marker_kernel_source`), and prompts that carry it.
+MARKER = 77
+MARKED = [[MARKER, 5], [3, MARKER, 9, 10]]
+
+
+def marker_kernel_source(marker_row: list[float]) -> str:
+    """``layers.py``: Llama's RMSNorm plus 0.5, raising where a row of its input starts as ``marker_row`` (the
+    marker token's embedding: the first layer's input norm, in the step that reads the prompt)."""
+    return textwrap.dedent(f"""
+        import torch
+        from torch import nn
+
+        MARKER = torch.tensor({marker_row!r})
+
+
+        class RMSNorm(nn.Module):
+            can_torch_compile = True
+            has_backward = True
+
+            def forward(self, hidden_states):
+                head = hidden_states[..., : MARKER.numel()]
+                if (head == MARKER.to(hidden_states.dtype)).all(-1).any():
+                    raise RuntimeError("the marker token")
+                input_dtype = hidden_states.dtype
+                hidden_states = hidden_states.to(torch.float32)
+                variance = hidden_states.pow(2).mean(-1, keepdim=True)
+                hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+                return self.weight * hidden_states.to(input_dtype) + 0.5
+    """)
 
 
 def test_a_header_parses_to_its_policy() -> None:
@@ -605,6 +635,61 @@ def test_metrics_count_requests_tokens_errors_and_kernel_calls_by_policy(served:
     assert delta("kernelpolicy_kernel_calls_total", layer="RMSNorm", path="kernel") > 0
     assert delta("kernelpolicy_kernel_calls_total", layer="RMSNorm", path="original") > 0
     assert not any(name.startswith("kernelpolicy") and "verify" in str(labels) for name, labels in after)
+
+
+@pytest.mark.slow
+@needs_serve
+def test_metrics_count_the_fallbacks_and_the_trip_of_a_kernel_that_raises_on_the_real_server(
+    model_and_kernel: tuple[Any, Any, Any, Any],
+) -> None:
+    """A kernel that raises on the marker token, served with ``--allow-policy
+    prefer,fallback_on=RuntimeError,max_failures=2``: each marker request under that policy falls back (the original
+    runs, the client gets its tokens), the second trips the kernel of the first layer's input norm, which then runs
+    the original for every policy, the default's too; a third is not tried. ``/metrics`` counts 2 fallbacks and 1
+    trip, labelled by layer, the 3 requests under the operator's policy, and no kernel failure (all were caught)."""
+    import httpx
+    import transformers
+
+    from kernelpolicy.testing import local_mapping, write_kernel_repo
+
+    root, folder, _, _ = model_and_kernel
+    tripping = "prefer,fallback_on=RuntimeError,max_failures=2"
+    reference = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    row = reference.model.embed_tokens.weight[MARKER, :4].tolist()
+    repo = write_kernel_repo(root / "marker-repo", marker_kernel_source(row), name="marker-rmsnorm")
+    with local_mapping({"RMSNorm": repo}):
+        kp.kernelize(reference, mode="inference", device="cpu")
+    prompts = [*MARKED, MARKED[0]]
+    expected = [solo(reference, tripping, prompt) for prompt in prompts]  # the same falls, and trip, in this process
+    stopped = solo(reference, "prefer", PROMPTS[0])  # the first layer's input norm: the original
+    kp.reset_failures(reference)
+    assert stopped != solo(reference, "prefer", PROMPTS[0])  # the trip shows in the default's tokens
+    assert not any(MARKER in tokens for tokens in expected)  # one failure per marker request: its prompt's step
+
+    def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        return _samples(httpx.get(f"{url}/metrics", timeout=30).text)
+
+    counts = []
+    with _server(root, folder, repo, "--allow-policy", tripping) as url:
+        for prompt, tokens in zip(prompts, expected, strict=True):
+            status, body = chat(url, str(folder), prompt, tripping)
+            assert status == 200 and ids(body["choices"][0]["message"]["content"]) == tokens, body
+            counts.append(scrape(url))
+        status, body = chat(url, str(folder), PROMPTS[0], None)
+        assert status == 200 and ids(body["choices"][0]["message"]["content"]) == stopped
+        last = scrape(url)
+
+    def series(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str) -> dict[Any, float]:
+        return {labels: value for (sample, labels), value in samples.items() if sample == name}
+
+    layer = (("layer", "RMSNorm"),)
+    fallbacks, trips = "kernelpolicy_kernel_fallbacks_total", "kernelpolicy_kernel_trips_total"
+    assert [series(c, fallbacks) for c in counts] == [{layer: 1.0}, {layer: 2.0}, {layer: 2.0}]
+    assert [series(c, trips) for c in counts] == [{}, {layer: 1.0}, {layer: 1.0}]
+    assert series(last, fallbacks) == {layer: 2.0} and series(last, trips) == {layer: 1.0}
+    requests = series(last, "kernelpolicy_serve_requests_total")
+    assert requests == {(("policy", tripping),): 3.0, (("policy", "prefer"),): 1.0}, requests
+    assert series(last, "kernelpolicy_serve_errors_total") == {}  # the kernel's errors were caught: no failure
 
 
 @pytest.mark.slow

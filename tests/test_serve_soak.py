@@ -24,7 +24,6 @@ import random
 import signal
 import subprocess
 import sys
-import textwrap
 import threading
 import time
 from collections import Counter
@@ -33,7 +32,17 @@ from typing import Any
 
 import pytest
 import torch
-from test_serve import PROMPTS, _free_port, _samples, ids, needs_serve, words
+from test_serve import (
+    MARKED,
+    MARKER,
+    PROMPTS,
+    _free_port,
+    _samples,
+    ids,
+    marker_kernel_source,
+    needs_serve,
+    words,
+)
 
 import kernelpolicy as kp
 from kernelpolicy.serving import HEADER
@@ -50,40 +59,12 @@ LONG = 400
 POLICIES = (None, "prefer", "disable", "RMSNorm=disable")
 #: The policy of the marker requests, allowed by the operator: their kernel's error falls back to the original.
 FALLBACK = "prefer,fallback_on=RuntimeError"
-#: The marker token, and the prompts that carry it.
-MARKER = 77
-MARKED = [[MARKER, 5], [3, MARKER, 9, 10]]
 #: Bad headers and their status: malformed (400), or not allowed by the default rules (403).
 BAD = {"bogus": 400, "RMSNorm=sometimes": 400, "verify": 403, "prefer,max_failures=1": 403}
 #: The largest growth of a process's RSS from after the warm-up to the end (see the test's docstring).
 RSS_GROWTH = 0.15
 
 pytestmark = [pytest.mark.slow, needs_serve, pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")]
-
-
-def kernel_source(marker_row: list[float]) -> str:
-    """``layers.py``: Llama's RMSNorm plus 0.5, raising where a row of its input starts as ``marker_row``."""
-    return textwrap.dedent(f"""
-        import torch
-        from torch import nn
-
-        MARKER = torch.tensor({marker_row!r})
-
-
-        class RMSNorm(nn.Module):
-            can_torch_compile = True
-            has_backward = True
-
-            def forward(self, hidden_states):
-                head = hidden_states[..., : MARKER.numel()]
-                if (head == MARKER.to(hidden_states.dtype)).all(-1).any():
-                    raise RuntimeError("the marker token")
-                input_dtype = hidden_states.dtype
-                hidden_states = hidden_states.to(torch.float32)
-                variance = hidden_states.pow(2).mean(-1, keepdim=True)
-                hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
-                return self.weight * hidden_states.to(input_dtype) + 0.5
-    """)
 
 
 def solo(reference: Any, policy: str, prompt: list[int], tokens: int) -> list[int]:
@@ -183,7 +164,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path, A
     folder = save_tiny_llama(root / "model")
     reference = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
     row = reference.model.embed_tokens.weight[MARKER, :4].tolist()
-    repo = write_kernel_repo(root / "repo", kernel_source(row), name="soak-rmsnorm")
+    repo = write_kernel_repo(root / "repo", marker_kernel_source(row), name="soak-rmsnorm")
     with local_mapping({"RMSNorm": repo}):
         kp.kernelize(reference, mode="inference", device="cpu")
     return root, folder, repo, reference
