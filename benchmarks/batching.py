@@ -75,7 +75,13 @@ def _started(model: Any, new_tokens: int, managers: list[Any]) -> Any:
 
 
 def _workload(
-    manager: Any, prompts: list[list[int]], policies: list[Any], new_tokens: int, *, paired: bool = False
+    manager: Any,
+    prompts: list[list[int]],
+    policies: list[Any],
+    new_tokens: int,
+    *,
+    paired: bool = False,
+    wait: float = 60,
 ) -> int:
     """Submit every prompt (interleaving the policies; ``paired``: prompt i under policy i), wait for every
     result; the tokens generated."""
@@ -84,9 +90,9 @@ def _workload(
             manager.add_request(prompt, max_new_tokens=new_tokens)
     tokens = finished = 0
     while finished < len(prompts):
-        result = manager.get_result(timeout=60)
+        result = manager.get_result(timeout=wait)
         if result is None:
-            raise RuntimeError("the batching manager returned no result for 60 s")
+            raise RuntimeError(f"the batching manager returned no result for {wait} s")
         if result.is_finished():
             finished += 1
             tokens += len(result.generated_tokens)
@@ -215,7 +221,7 @@ def compiled(requests: int = 8, new_tokens: int = 8) -> dict[str, tuple[int, int
             for split in range(requests + 1):  # the first `split` requests under one policy, the rest the other
                 prompts = [torch.randint(1, 256, (6,), generator=generator).tolist() for _ in range(requests)]
                 chosen = [served[int(i >= split) % len(served)] for i in range(requests)]
-                _workload(manager, prompts, chosen, new_tokens, paired=True)
+                _workload(manager, prompts, chosen, new_tokens, paired=True, wait=900)  # inductor compiles
         finally:
             manager.stop(block=True, timeout=60)
         counts[label] = (warm - before, counters["stats"]["unique_graphs"] - warm)

@@ -70,7 +70,9 @@ def manager(model: Any, config: Any) -> Iterator[Any]:
     manager.stop(block=True, timeout=30)
 
 
-def run(manager: Any, submissions: list[tuple[kp.Policy, list[int]]], new_tokens: int = NEW) -> list[Any]:
+def run(
+    manager: Any, submissions: list[tuple[kp.Policy, list[int]]], new_tokens: int = NEW, wait: float = 30
+) -> list[Any]:
     """Submit each prompt under its policy (all before the first result), then each request's final output."""
     ids = []
     for policy, prompt in submissions:
@@ -78,8 +80,8 @@ def run(manager: Any, submissions: list[tuple[kp.Policy, list[int]]], new_tokens
             ids.append(manager.add_request(prompt, max_new_tokens=new_tokens))
     results: dict[str, Any] = {}
     while len(results) < len(ids):
-        result = manager.get_result(timeout=30)
-        assert result is not None, f"no result after 30 s; have {sorted(results)}"
+        result = manager.get_result(timeout=wait)
+        assert result is not None, f"no result after {wait} s; have {sorted(results)}"
         if result.is_finished():
             results[result.request_id] = result
     return [results[i] for i in ids]
@@ -239,10 +241,10 @@ def test_compiled_steps_with_mixed_policies_get_their_solo_tokens(model: Any, co
     chosen = prompts(4, seed=6)
     try:
         first = [((PREFER, NORM_OFF)[i % 2], prompt) for i, prompt in enumerate(chosen)]
-        outputs = run(manager, first)
+        outputs = run(manager, first, wait=300)  # a step may compile a shape the warm-up did not
         after_first = counters["stats"]["unique_graphs"]
         second = [((NORM_OFF, PREFER)[i % 2], prompt) for i, prompt in enumerate(chosen)]  # the mix swapped
-        again = run(manager, second)
+        again = run(manager, second, wait=300)
         after_second = counters["stats"]["unique_graphs"]
     finally:
         manager.stop(block=True, timeout=60)
