@@ -18,7 +18,10 @@ This module owns:
 In eager code each group of rows (the policies that agree on the layer) runs the module's own dispatch under
 its policy, so ``require``, ``verify``, ``fallback_on``, variants and ``record_calls`` behave per group as
 they do for a whole call; an error a group raises comes out as :class:`MixedCallError` naming the group's
-policies, so the batching fails only their requests. Under TorchDynamo the program computes the kernel and
+policies, so the batching fails only their requests. A group's error is its own rows' only: a group that ran
+on every row (a select join) and raised runs again on its own rows (rows by token), and a group whose policy
+may fall back (``fallback_on``) runs on its own rows from the start, so that another group's rows never make
+its kernel fail, fall back or trip. Under TorchDynamo the program computes the kernel and
 the original on every row and selects by a per-slot table (an input too): no guard depends on the mix.
 """
 
@@ -149,11 +152,26 @@ class MixedCallError(Exception):
         self.error = error
 
 
+class _Held:
+    """A recorder that holds the calls of an attempt on every row until the attempt is known to stand."""
+
+    __slots__ = ("calls",)
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+
+    def add(self, *call: Any) -> None:
+        self.calls.append(call)
+
+
 class _Group(NamedTuple):
     scope: Any  # the scope of the group's first policy (they agree on the layer), with the group's recorders
     policies: tuple[Policy, ...]
     mask: torch.Tensor  # (rows,) bool: the group's rows
-    rows: torch.Tensor | None  # the group's rows, for a split join
+    rows: torch.Tensor | None  # the group's rows, where it runs on them only (a split join, or fallback_on)
+    recorders: tuple[Any, ...]
+    #: For a group that runs on every row of a layer by token: the scope of that attempt, whose calls are held.
+    attempt: tuple[Any, _Held] | None
 
 
 @final
@@ -223,9 +241,16 @@ class Step:
             chosen[slots] = True
             host_mask = chosen[host]
             recorders = tuple(dict.fromkeys(r for slot in slots for r in self.recorders.get(slot, ())))
-            index = positions[host_mask].to(self.device) if rows.join == "split" else None
-            scope = _recording_scope(self.policies[slots[0]], recording=bool(recorders), recorders=recorders)
-            groups.append(_Group(scope, tuple(self.policies[s] for s in slots), host_mask.to(self.device), index))
+            policy = self.policies[slots[0]]
+            own = rows.join == "split" or (rows.by == "token" and bool(policy.fallback_on))
+            index = positions[host_mask].to(self.device) if own else None
+            scope = _recording_scope(policy, recording=bool(recorders), recorders=recorders)
+            attempt = None
+            if not own and rows.by == "token":
+                held = _Held()
+                attempt = (_recording_scope(policy, recording=bool(recorders), recorders=(held,)), held)
+            policies = tuple(self.policies[s] for s in slots)
+            groups.append(_Group(scope, policies, host_mask.to(self.device), index, recorders, attempt))
         self._plans[key] = groups
         return groups
 
@@ -285,23 +310,44 @@ def run_mixed(binding: Binding, args: tuple[Any, ...], kwargs: dict[str, Any]) -
                 return binding.dispatcher(*args, **kwargs)
         except Exception as error:
             raise MixedCallError(groups[0].policies, error) from error
-    outputs = []
-    for group in groups:
-        if group.rows is None:
-            call_args, call_kwargs = args, kwargs
-        else:
-            call_args, call_kwargs = _taken(args, kwargs, group.rows, rows.dim, len(step.host_rows))
-        try:
-            with group.scope:
-                outputs.append(binding.dispatcher(*call_args, **call_kwargs))
-        except Exception as error:
-            raise MixedCallError(group.policies, error) from error
-    if rows.join == "split":
-        return _joined(groups, outputs, rows.dim, len(step.host_rows))
-    out = outputs[-1]
-    for group, output in zip(groups[-2::-1], outputs[-2::-1], strict=True):
-        out = _select(group.mask, output, out, rows.dim)
-    return out
+    count = len(step.host_rows)
+    ran = [_run_group(binding, group, args, kwargs, rows.dim, count) for group in groups]
+    whole = [(group.mask, output) for group, (index, output) in zip(groups, ran, strict=True) if index is None]
+    parts = [(index, output) for index, output in ran if index is not None]
+    if whole:
+        out = whole[-1][1]
+        for mask, output in whole[-2::-1]:
+            out = _select(mask, output, out, rows.dim)
+        return _put(out, parts, rows.dim) if parts else out
+    return _joined(parts, rows.dim, count)
+
+
+def _run_group(
+    binding: Binding, group: _Group, args: tuple[Any, ...], kwargs: dict[str, Any], dim: int, count: int
+) -> tuple[torch.Tensor | None, Any]:
+    """One group's call: its rows (None: every row) and its output; its error as :class:`MixedCallError`."""
+    index = group.rows
+    try:
+        if group.attempt is not None:  # every row, the calls held: another group's rows may make the kernel raise
+            scope, held = group.attempt
+            held.calls.clear()
+            try:
+                with scope:
+                    output = binding.dispatcher(*args, **kwargs)
+            except Exception:  # noqa: BLE001  # retried below on its own rows, where it stands or is raised
+                index = torch.nonzero(group.mask).flatten()  # again on its own rows: the error is theirs, or none
+            else:
+                for recorder in group.recorders:
+                    for call in held.calls:
+                        recorder.add(*call)
+                return None, output
+        with group.scope:
+            if index is None:
+                return None, binding.dispatcher(*args, **kwargs)
+            call_args, call_kwargs = _taken(args, kwargs, index, dim, count)
+            return index, binding.dispatcher(*call_args, **call_kwargs)
+    except Exception as error:
+        raise MixedCallError(group.policies, error) from error
 
 
 def _select(mask: torch.Tensor, chosen: Any, other: Any, dim: int) -> Any:
@@ -328,18 +374,32 @@ def _taken(
     return tuple(take(a) for a in args), {k: take(v) for k, v in kwargs.items()}
 
 
-def _joined(groups: list[_Group], outputs: list[Any], dim: int, count: int) -> Any:
-    """The outputs of a split call put back in row order."""
-    first = outputs[0]
+def _joined(parts: list[tuple[torch.Tensor, Any]], dim: int, count: int) -> Any:
+    """The outputs of groups that ran on their own rows (``(rows, output)``), put back in row order."""
+    first = parts[0][1]
     if isinstance(first, torch.Tensor):
         shape = list(first.shape)
         axis = first.dim() + dim
         shape[axis] = count
         out = first.new_empty(shape)
-        for group, output in zip(groups, outputs, strict=True):
-            assert group.rows is not None
-            out.index_copy_(axis, group.rows, output)
+        for index, output in parts:
+            out.index_copy_(axis, index, output)
         return out
     if isinstance(first, (tuple, list)):
-        return type(first)(_joined(groups, list(parts), dim, count) for parts in zip(*outputs, strict=True))
+        return type(first)(_joined(_field(parts, i), dim, count) for i in range(len(first)))
     return first
+
+
+def _put(out: Any, parts: list[tuple[torch.Tensor, Any]], dim: int) -> Any:
+    """``out`` with the rows of each part replaced by its output (a new tensor: ``out`` may be a module's)."""
+    if isinstance(out, torch.Tensor):
+        for index, output in parts:
+            out = out.index_copy(out.dim() + dim, index, output)
+        return out
+    if isinstance(out, (tuple, list)):
+        return type(out)(_put(value, _field(parts, i), dim) for i, value in enumerate(out))
+    return out
+
+
+def _field(parts: list[tuple[torch.Tensor, Any]], i: int) -> list[tuple[torch.Tensor, Any]]:
+    return [(index, output[i]) for index, output in parts]

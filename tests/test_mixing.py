@@ -153,3 +153,61 @@ def test_an_error_of_one_group_names_its_policies(model: Any, tmp_path: Path) ->
         act(torch.ones(1, 2, HIDDEN))
     assert raised.value.policies == (missing,)
     assert isinstance(raised.value.error, kp.KernelUnavailableError)
+
+
+MARKER_KERNEL = """
+import torch
+from torch import nn
+
+
+class MixMarker(nn.Module):
+    def forward(self, x):
+        if bool((x[..., 0] == 999).any()):
+            raise RuntimeError("the marker row")
+        return x + 0.5
+"""
+
+
+@kp.use_kernel_forward_from_hub("MixMarker")
+class Marked(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+
+@pytest.mark.parametrize("join", ["select", "split"])
+def test_a_kernel_error_stays_with_the_rows_that_raise_it(
+    tmp_path: Path, join: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A kernel that raises on one row: under ``fallback_on`` that row's group falls back (once, on its own rows);
+    a group whose kernel ran on every row (select) and met the row runs again on its own rows and keeps the
+    kernel, its calls counted once; the same row in a group without fallback fails that group only."""
+    monkeypatch.setitem(_mixing.ROWS, "MixMarker", _mixing.Rows("token", -2, join))  # type: ignore[arg-type]
+    layer = kernelize_locally(Marked(), {"MixMarker": write_kernel_repo(tmp_path / "marker", MARKER_KERNEL)})
+    plain, falls_back, off = (
+        kp.Policy.parse("prefer"),
+        kp.Policy.parse("prefer,fallback_on=RuntimeError"),
+        kp.Policy.parse("disable"),
+    )
+    step = _mixing.Step(torch.device("cpu"))
+    for policy in (plain, falls_back, off):
+        step.slot(policy)
+    x = torch.ones(1, 4, HIDDEN)
+    x[0, 1, 0] = 999  # the row of falls_back
+    owners = [0, 1, 2, 0]
+    with kp.record_calls() as plain_calls, kp.record_calls() as fallback_calls:
+        pass
+    step.begin(torch.tensor(owners), owners, {0: (plain_calls,), 1: (fallback_calls,)})
+    with _mixing.mixed_scope(step.table((0, 1, 2), True), (plain_calls, fallback_calls)):
+        out = layer(x)
+    torch.testing.assert_close(out[0, [0, 3]], x[0, [0, 3]] + 0.5)  # the kernel: plain's rows
+    torch.testing.assert_close(out[0, [1, 2]], x[0, [1, 2]] * 2)  # the original: the fallback and disable
+    assert plain_calls.by_layer() == {"MixMarker": {"kernel": 1}}
+    [((_, _, path, reason, _), calls)] = fallback_calls.items()  # one call: its group's own rows fell back once
+    assert (path, calls) == ("original", 1) and "RuntimeError: the marker row" in reason
+
+    owners = [1, 0, 2, 0]  # now the marker row is plain's: plain's rows fail, no others
+    step.begin(torch.tensor(owners), owners, {})
+    with _mixing.mixed_scope(step.table((0, 1, 2), False), ()), pytest.raises(_mixing.MixedCallError) as raised:
+        layer(x)
+    assert raised.value.policies == (plain,)
+    assert "the marker row" in str(raised.value)
