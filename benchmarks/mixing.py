@@ -33,13 +33,6 @@ __all__ = ["main"]
 HIDDEN, INTERMEDIATE, HEADS = 512, 1376, 8
 
 
-class _Group:
-    """The part of ``_mixing._Group`` a join reads: the rows of one path."""
-
-    def __init__(self, rows: torch.Tensor) -> None:
-        self.rows = rows
-
-
 def _layers() -> dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], int]]:
     """Each layer's forward on hidden states (1, rows, hidden), and the row axis of its output."""
     from transformers import LlamaConfig
@@ -72,17 +65,17 @@ def _arms(
 ) -> dict[str, Callable[[], Any]]:
     rows = hidden.shape[dim]
     kernel_rows, original_rows = mask.nonzero().squeeze(1), (~mask).nonzero().squeeze(1)
-    groups = [_Group(kernel_rows), _Group(original_rows)]
+    groups = (kernel_rows, original_rows)
 
     def kernel(x: torch.Tensor) -> torch.Tensor:
         return layer(x) + 0.5
 
     def split() -> Any:
-        outputs = []
-        for group, path in zip(groups, (kernel, layer), strict=True):
-            (taken,), _ = _taken((hidden,), {}, group.rows, dim, rows)
-            outputs.append(path(taken))
-        return _joined(groups, outputs, dim, rows)  # type: ignore[arg-type]
+        parts = []
+        for index, path in zip(groups, (kernel, layer), strict=True):
+            (taken,), _ = _taken((hidden,), {}, index, dim, rows)
+            parts.append((index, path(taken)))
+        return _joined(parts, dim, rows)
 
     return {
         "one path": lambda: layer(hidden),
