@@ -223,6 +223,10 @@ CALL_PATH = tuple(
 GRAPH_BREAK = Internal(
     "require under torch.compile: a graph break that carries the error", ("torch._dynamo.graph_break",)
 )
+SKIP_FRAME = Internal(
+    "a decorated async generator stepped under torch.compile: its frame runs eagerly",
+    ("torch._dynamo.skip_frame",),
+)
 #: Not a name to look up but an attribute TorchDynamo reads on functions (``torch.compiler.disable``
 #: sets it); ``_dispatch`` sets it on the function that raises ``require``'s error under compile.
 #: ``tests/test_tracing.py`` (require, fullgraph=False) fails if Dynamo stops honouring it.
@@ -369,6 +373,7 @@ INTERNALS: tuple[Internal, ...] = (
     SLOW_FORWARD,
     *CALL_PATH,
     GRAPH_BREAK,
+    SKIP_FRAME,
     TRACING_CONTEXT,
     DYNAMO_COUNTERS,
     FUNCTORCH_STACK,

@@ -218,6 +218,10 @@ class kernel_policy:  # noqa: N801 - lowercase like numpy.errstate and decimal.l
     def __enter__(self) -> Policy:
         if traced.compiling():
             return traced.enter(self, None if self._made is None else (kernel_policy, *self._made))
+        return self._enter_here()
+
+    def _enter_here(self) -> Policy:
+        """Enter in this context, as eager code does (also a generator's: see :meth:`_wrap_generator`)."""
         if self._made is not None:  # made while TorchDynamo traced, entered eagerly (a graph break)
             self._fixed, self._mode, self._layers, self._options = _validated(*self._made)
             self._cache, self._made = {}, None
@@ -228,10 +232,7 @@ class kernel_policy:  # noqa: N801 - lowercase like numpy.errstate and decimal.l
         return active.policy
 
     def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         if DEFAULTS.traced is not None:  # entered where TorchDynamo traces (never set in eager code)
             return traced.exit(self)
@@ -290,11 +291,13 @@ class kernel_policy:  # noqa: N801 - lowercase like numpy.errstate and decimal.l
 
         return coroutine_wrapper
 
-    def _start(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        # Runs inside the generator's private context: the scope is never
-        # exited there, the context is dropped with the generator.
-        self.__enter__()
-        return fn(*args, **kwargs)
+    def _start(self) -> contextvars.Context:
+        """A generator's own context, this scope entered there eagerly (never exited: dropped with the generator)."""
+        if traced.compiling():  # TorchDynamo traces a generator inlined in its caller: break the graph there
+            traced.generator_reached(self)
+        ctx = contextvars.copy_context()
+        ctx.run(self._enter_here)
+        return ctx
 
     def _follow(self, ctx: contextvars.Context) -> None:
         """Before a generator's step: its context counts in the ``record_calls`` blocks active in the consumer's.
@@ -310,8 +313,7 @@ class kernel_policy:  # noqa: N801 - lowercase like numpy.errstate and decimal.l
     def _wrap_generator(self, fn: Callable[..., Generator[Any, Any, Any]]) -> Callable[..., Generator[Any, Any, Any]]:
         @functools.wraps(fn)
         def generator_wrapper(*args: Any, **kwargs: Any) -> Generator[Any, Any, Any]:
-            ctx = contextvars.copy_context()
-            gen = ctx.run(self._start, fn, args, kwargs)
+            ctx, gen = self._start(), fn(*args, **kwargs)
             try:
                 self._follow(ctx)
                 value = ctx.run(next, gen)
@@ -343,8 +345,10 @@ class kernel_policy:  # noqa: N801 - lowercase like numpy.errstate and decimal.l
     ) -> Callable[..., AsyncGenerator[Any, Any]]:
         @functools.wraps(fn)
         async def async_generator_wrapper(*args: Any, **kwargs: Any) -> AsyncGenerator[Any, Any]:
-            ctx = contextvars.copy_context()
-            agen = ctx.run(self._start, fn, args, kwargs)
+            if traced.compiling():  # TorchDynamo traces this frame on its own: skip it (called here, see _traced)
+                skip_frame, message = traced.async_generator_reached(self)
+                skip_frame(message)
+            ctx, agen = self._start(), fn(*args, **kwargs)
             try:
                 self._follow(ctx)
                 value = await _InContext(ctx, agen.__anext__())

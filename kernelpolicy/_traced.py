@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 
     from ._policy import Policy
 
-__all__ = ["Entered", "compiling", "enter", "exit", "name_of"]
+__all__ = ["Entered", "async_generator_reached", "compiling", "enter", "exit", "generator_reached", "name_of"]
 
 
 def _compiling() -> bool:
@@ -96,6 +96,32 @@ def exit(scope: object) -> None:
     if frame is None or frame.scope is not scope:
         raise ScopeError(f"{scope!r} exited out of order in a region TorchDynamo compiles")
     DEFAULTS.traced = frame.enclosing
+
+
+def generator_reached(scope: object) -> None:
+    """A generator decorated with ``scope`` is started where TorchDynamo traces: break the graph, run it eagerly.
+
+    Its body runs in a context of its own across yields, which a traced program cannot hold: a push on
+    ``DEFAULTS.traced`` would outlive the program (the process's policy for good). TorchDynamo traces a
+    generator inlined in its caller: the caller's graph breaks at the call with this message (so
+    ``fullgraph=True`` fails with it), and the generator runs eagerly, under the eager scope, where the
+    forwards it calls are compiled as frames of their own.
+    """
+    sys.modules["torch"]._dynamo.graph_break(
+        msg=f"kernelpolicy: a generator decorated with {scope!r} runs eagerly: its scope holds across its yields, "
+        "which a compiled program cannot hold. Enter the scope with `with` inside the compiled code instead"
+    )
+
+
+def async_generator_reached(scope: object) -> tuple[Callable[[str], None], str]:
+    """As :func:`generator_reached`, for an async generator: TorchDynamo's ``skip_frame`` and its message.
+
+    TorchDynamo traces an async generator's frame on its own, where it cannot resume after a graph break (it
+    fails with a bare ``AssertionError``); the wrapper's frame calls ``skip_frame`` itself (it skips the frame
+    that calls it), so the frame runs eagerly and nothing of it is traced.
+    """
+    skip: Callable[[str], None] = sys.modules["torch"]._dynamo.skip_frame
+    return skip, f"kernelpolicy: an async generator decorated with {scope!r} runs eagerly"
 
 
 @final

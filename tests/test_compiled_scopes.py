@@ -235,3 +235,97 @@ def test_threads_share_the_program_and_never_see_another_threads_scope(norm: nn.
     for policy, inside, after in results:
         assert inside == "original" and after == ("original" if policy == "disable" else "kernel")
     assert _active.DEFAULTS.traced is None
+
+
+#: A decorated generator and async generator started in compiled code (issue 41, item 1): each case prints its
+#: paths and the state it leaves (the traced push, the policy here and in a new thread, an eager scope's exit, a
+#: program compiled afterwards), next to the same generator undecorated (plain torch).
+GENERATORS_UNDER_COMPILE = """
+import asyncio, json, pathlib, sys, tempfile, threading
+import torch
+import kernelpolicy as kp
+from kernelpolicy import _active
+from kernelpolicy.testing import DemoModel, kernelize_locally, rms_norm_kernel_source, write_kernel_repo
+
+repo = write_kernel_repo(pathlib.Path(tempfile.mkdtemp()), rms_norm_kernel_source(offset=100.0, can_torch_compile=True))
+norm = kernelize_locally(DemoModel(16).eval(), {"RMSNorm": repo}).norm
+x = torch.randn(2, 16)
+path = lambda out: "kernel" if bool((out - 50).mean() > 0) else "original"
+
+def state():
+    seen = []
+    thread = threading.Thread(target=lambda: seen.append(str(kp.current_policy())))
+    thread.start()
+    thread.join()
+    try:
+        with kp.kernel_policy(RMSNorm="prefer"):
+            pass
+        scope = "ok"
+    except kp.ScopeError as error:
+        scope = str(error)
+    after = path(torch.compile(lambda y: norm(y), backend="eager")(x))
+    return [_active.DEFAULTS.traced is None, str(kp.current_policy()), seen[0], scope, after]
+
+def gen(y):
+    yield norm(y)
+    yield norm(y)
+
+async def agen(y):
+    yield norm(y)
+
+def drive(step):  # an async generator's first step, driven by a sync function
+    try:
+        step.send(None)
+    except StopIteration as stop:
+        return stop.value
+
+def attempt(run):
+    try:
+        return path(run())
+    except Exception as error:
+        return f"{type(error).__name__}: {str(error).splitlines()[0]}"
+
+results = {}
+for decorated in (False, True):
+    g = kp.kernels_disabled(gen) if decorated else gen
+    a = kp.kernels_disabled(agen) if decorated else agen
+    step = torch.compile(lambda y: next(g(y)), backend="eager")
+    both = torch.compile(lambda y: [norm(y), *g(y), norm(y)], backend="eager")
+    first = torch.compile(lambda y: drive(a(y).__anext__()), backend="eager")
+    results[f"decorated={decorated}"] = {
+        "next": [path(step(x)), path(step(x))],
+        "all": [path(out) for out in both(x)],
+        "async": [attempt(lambda: first(x)), attempt(lambda: asyncio.run(torch.compile(lambda y: a(y).__anext__(), backend="eager")(x)))],
+        "state": state(),
+    }
+    torch._dynamo.reset()
+try:
+    torch.compile(lambda y: next(kp.kernels_disabled(gen)(y)), backend="eager", fullgraph=True)(x)
+    results["fullgraph"] = "compiled"
+except torch._dynamo.exc.Unsupported as error:
+    results["fullgraph"] = str(error).splitlines()[0:3]
+results["fullgraph_state"] = state()
+print(json.dumps(results))
+"""
+
+
+def test_a_decorated_generator_started_in_compiled_code_runs_eagerly_and_leaves_no_policy_behind() -> None:
+    """Before: the traced entry's push was never popped (``disable`` for the whole process, every eager scope's
+    exit raised ScopeError); a decorated async generator failed with TorchDynamo's bare AssertionError."""
+    import json
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", GENERATORS_UNDER_COMPILE], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    clean = [True, "prefer", "prefer", "ok", "kernel"]
+    plain = {"next": ["kernel"] * 2, "all": ["kernel"] * 4, "async": ["kernel"] * 2, "state": clean}
+    assert results["decorated=False"] == plain  # plain torch: the generator inlined, nothing left behind
+    disabled = {"next": ["original"] * 2, "all": ["kernel", "original", "original", "kernel"]}
+    assert results["decorated=True"] == {**disabled, "async": ["original"] * 2, "state": clean}
+    message = "kernelpolicy: a generator decorated with kernel_policy('disable') runs eagerly"
+    assert any(message in line for line in results["fullgraph"]), results["fullgraph"]
+    assert results["fullgraph_state"] == clean
