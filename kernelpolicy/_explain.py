@@ -238,7 +238,12 @@ def explain(
     >>> with kernelpolicy.kernel_policy(Dobule="disable"):
     ...     kernelpolicy.explain(torch.nn.Sequential(Double())).unmatched
     ('Dobule=disable',)
+
+    Under ``torch.compile`` it is not traced: the graph breaks at the call with a message that points to
+    :func:`will_use_kernel` (``fullgraph=True`` fails with it), and it runs eagerly, describing eager calls.
     """
+    if _is_dynamo():  # a report of strings, kernels' registries and (with inputs) a model run: nothing to trace
+        torch._dynamo.graph_break(msg=EXPLAIN_UNDER_COMPILE)
     policy = current_policy()
     state = execution_state()
     entries = [*_marked(model), *(entry for source in ROW_SOURCES for entry in source(model))]
@@ -250,6 +255,12 @@ def explain(
     unmatched = tuple(f"{name}={mode}" for name, mode in sorted(policy.layers.items()) if name not in present)
     ungoverned = tuple(name for source in UNGOVERNED_SOURCES for name in source())
     return Explanation(rows=rows, policy=str(policy), state=state, unmatched=unmatched, ungoverned=ungoverned)
+
+
+EXPLAIN_UNDER_COMPILE = (
+    "kernelpolicy.explain() is not traced by torch.compile: it runs eagerly here and describes eager calls. In "
+    "compiled code ask kernelpolicy.will_use_kernel(module) (no graph break); call explain(model) outside it"
+)
 
 
 def _marked(model: nn.Module) -> Iterator[tuple[str, Binding | Ungoverned]]:

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 import kernels
+import pytest
 import torch
 from torch import nn
 
@@ -98,3 +99,32 @@ def test_two_models_attached_separately_then_composed(kernelized: Callable[..., 
     assert calls.by_module()["norm#2"] == {"original": 1}  # told apart, not merged
     explained = {row.name: row.calls for row in kp.explain(parent, calls=calls)}
     assert explained["a.norm"] == {"kernel": 1} and explained["b.norm"] == {"original": 1}
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_explain_in_compiled_code_breaks_the_graph_with_kernelpolicys_message(
+    kernelized: Callable[..., DemoModel],
+) -> None:
+    """Before: TorchDynamo's bare "Attempted to call function marked as skipped" (importlib.import_module, read
+    through kernels' registries) under fullgraph=True. Now kernelpolicy's message, pointing to will_use_kernel;
+    without fullgraph the call runs eagerly and says what eager code says."""
+    from torch._dynamo.utils import counters
+
+    model = kernelized("traceable")
+
+    def step(x: torch.Tensor) -> tuple[torch.Tensor, kp.Explanation]:
+        with kp.kernel_policy(RMSNorm="disable"):
+            return model(x), kp.explain(model)
+
+    with pytest.raises(torch._dynamo.exc.Unsupported, match=r"kernelpolicy\.explain\(\) is not traced") as raised:
+        torch.compile(step, fullgraph=True, backend="eager")(X)
+    assert "kernelpolicy.will_use_kernel(module)" in str(raised.value)
+    torch._dynamo.reset()
+    counters.clear()
+    out, explained = torch.compile(step, backend="eager")(X)
+    with kp.kernel_policy(RMSNorm="disable"):
+        assert explained.rows == kp.explain(model).rows
+        torch.testing.assert_close(out, model(X))
+    assert {row.path for row in explained} == {"original"}
+    first = next(iter(counters["graph_break"]))
+    assert "kernelpolicy.explain() is not traced by torch.compile" in first, first
