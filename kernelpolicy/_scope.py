@@ -26,7 +26,7 @@ Guarantees:
   body runs in its own copy of the context in which it is first iterated (a
   generator's body starts at its first ``next()``, and the decorated function
   stays a generator function), so the policy holds across its yields and the
-  consumer never sees it.
+  consumer never sees it. Started under ``torch.compile``, it runs eagerly (``_traced.generator_reached``).
 """
 
 from __future__ import annotations
