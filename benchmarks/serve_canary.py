@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -19,17 +18,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 
-def _port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 def run(folder: Path, repo: Path, fraction: float, requests: int, concurrency: int, tokens: int) -> tuple[float, str]:
     """(tokens/s, the canary lines of /metrics) of one server at ``fraction``."""
     import httpx
 
-    port = _port()
+    from kernelpolicy.testing import free_port, wait_for_health
+
+    port = free_port()
     command = [sys.executable, "-m", "kernelpolicy", "serve", str(folder), "--continuous-batching", "--device", "cpu"]
     command += ["--cb-num-blocks", "256", "--cb-max-batch-tokens", "512", "--host", "127.0.0.1", "--port", str(port)]
     command += ["--kernel", f"RMSNorm={repo}", "--verify-sample", str(fraction)]
@@ -39,16 +34,7 @@ def run(folder: Path, repo: Path, fraction: float, requests: int, concurrency: i
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("the server did not start")
-            time.sleep(0.5)
+        wait_for_health(url, server)
 
         def one(i: int) -> None:
             body = {

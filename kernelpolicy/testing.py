@@ -16,7 +16,9 @@ the ``RMSNorm`` hub kernel, as transformers marks Llama's; :class:`ShowcaseModel
 the demo's, with :class:`SiLU` marked too), :func:`kernelize_locally`, and ready
 kernels whose behaviour is observable: a module-level call
 counter (eager calls only, so that ``torch.compile`` does not guard on it) and
-an optional output offset (to see the path inside a compiled graph).
+an optional output offset (to see the path inside a compiled graph); and, for a
+server started in a subprocess (``python -m kernelpolicy serve``, ``transformers
+serve``), a free port and the wait for its ``/health`` (:func:`wait_for_health`).
 
 >>> import tempfile, pathlib
 >>> from kernelpolicy.testing import VARIANT, rms_norm_kernel_source, write_kernel_repo
@@ -33,6 +35,7 @@ import json
 import socket
 import sys
 import textwrap
+import time
 import uuid
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -40,6 +43,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
+    import subprocess
     from collections.abc import Iterator, Mapping
     from pathlib import Path
 
@@ -54,6 +58,7 @@ __all__ = [
     "SiLU",
     "custom_op_rms_norm_kernel_source",
     "flash_attention_kernel_source",
+    "free_port",
     "kernel_calls",
     "kernelize_locally",
     "local_mapping",
@@ -61,8 +66,51 @@ __all__ = [
     "rms_norm_kernel_source",
     "silu_kernel_source",
     "tiny_llama",
+    "wait_for_health",
     "write_kernel_repo",
 ]
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a server or a gloo rendezvous; nothing holds it after)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def wait_for_health(
+    url: str, process: subprocess.Popen[Any], timeout_s: float = 180, *, log: Path | None = None
+) -> None:
+    """Wait until the server ``process`` started answers ``GET {url}/health`` with 200 (``transformers serve`` and
+    ``python -m kernelpolicy serve`` do once the model is loaded), polling every 0.5 s.
+
+    Raises ``RuntimeError`` if ``process`` exits first (with its exit status) or ``timeout_s`` seconds pass
+    (``process`` is left running: the caller stops it); the message ends with the last 3000 characters of ``log``
+    (the file the server writes its output to), when given.
+    """
+    import urllib.error
+    import urllib.request
+
+    if not timeout_s > 0:
+        raise ValueError(f"wait_for_health: timeout_s takes a number of seconds above 0, got {timeout_s!r}")
+    health = f"{url.rstrip('/')}/health"
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(health, timeout=2) as answer:
+                if answer.status == 200:
+                    return
+        except (OSError, urllib.error.URLError):  # not listening yet, or an error status (HTTPError)
+            pass
+        if process.poll() is not None:
+            problem = f"exited with status {process.returncode}"
+        elif time.monotonic() > deadline:
+            problem = f"did not answer within {timeout_s} s"
+        else:
+            time.sleep(0.5)
+            continue
+        tail = "" if log is None else ":\n" + log.read_text(errors="replace")[-3000:]
+        raise RuntimeError(f"the server at {url} (GET /health) {problem}{tail}")
 
 
 @contextlib.contextmanager
@@ -76,12 +124,9 @@ def one_rank_process_group(timeout_s: float = 60) -> Iterator[None]:
     """
     import torch.distributed as dist
 
-    with socket.socket() as free:
-        free.bind(("127.0.0.1", 0))
-        port = free.getsockname()[1]
     dist.init_process_group(
         "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
+        init_method=f"tcp://127.0.0.1:{free_port()}",
         rank=0,
         world_size=1,
         timeout=datetime.timedelta(seconds=timeout_s),

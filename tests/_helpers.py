@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import textwrap
@@ -50,13 +49,6 @@ def in_another_thread(function: Callable[[], object], timeout_s: float = 60) -> 
     assert not thread.is_alive(), f"{function!r} did not return within {timeout_s} s"
     if errors:
         raise errors[0]
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (for a gloo rendezvous)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def run_ranks(worker: Callable[..., None], *args: Any, nprocs: int = 2, deadline_s: float = 180) -> None:

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from _helpers import free_port, run_ranks
+from _helpers import run_ranks
 from _workers import distributed_worker
 
 import kernelpolicy.distributed
-from kernelpolicy.testing import rms_norm_kernel_source, write_kernel_repo
+from kernelpolicy.testing import free_port, rms_norm_kernel_source, write_kernel_repo
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
 

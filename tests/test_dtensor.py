@@ -16,11 +16,16 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from _helpers import free_port
 from torch import nn
 
 import kernelpolicy as kp
-from kernelpolicy.testing import RMSNorm, custom_op_rms_norm_kernel_source, kernelize_locally, write_kernel_repo
+from kernelpolicy.testing import (
+    RMSNorm,
+    custom_op_rms_norm_kernel_source,
+    free_port,
+    kernelize_locally,
+    write_kernel_repo,
+)
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
 

@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from _helpers import free_port, run_ranks
+from _helpers import run_ranks
 from _parallel_workers import OFFSET, STEPS, WORLD, kernel_expected, reference, train_worker
 
-from kernelpolicy.testing import rms_norm_kernel_source, write_kernel_repo
+from kernelpolicy.testing import free_port, rms_norm_kernel_source, write_kernel_repo
 
 pytestmark = [
     pytest.mark.slow,

@@ -31,6 +31,7 @@ import kernelpolicy as kp
 from kernelpolicy import _compat
 from kernelpolicy._access import MAX_ENTRIES, MAX_VARIANTS, OTHER, Access
 from kernelpolicy.serving import HEADER, MAX_HEADER, PolicyHeader, parse_header
+from kernelpolicy.testing import free_port, wait_for_health
 
 PROMPTS = [[5, 6, 7], [9, 8], [40, 41, 42, 43], [100], [7, 7, 7], [200, 3], [11, 12, 13], [60, 61]]
 TOKENS = 6
@@ -268,18 +269,43 @@ def test_every_reference_to_the_spawned_processes_entry_point_leads_to_kernelpol
 
 # --- the real server ----------------------------------------------------------------------------------
 
+
+def test_wait_for_health_returns_on_a_200_and_says_why_it_stopped_waiting(tmp_path: Any) -> None:
+    """``kernelpolicy.testing.wait_for_health`` on real processes: a static HTTP server whose folder has a ``health``
+    file (200: it returns), the same without it (404s until the timeout), a process that exits (its status and
+    the log's tail), and a timeout that is not a number of seconds above 0."""
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "health").write_text("ok")
+    port = free_port()
+    command = [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1", "--directory", "site"]
+    server = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for_health(url, server, 60)
+        (tmp_path / "site" / "health").unlink()
+        with pytest.raises(
+            RuntimeError, match=re.escape(f"the server at {url} (GET /health) did not answer within 1 s")
+        ):
+            wait_for_health(url, server, 1)
+        assert server.poll() is None  # left running: the caller stops it
+        with pytest.raises(ValueError, match="timeout_s takes a number of seconds above 0, got 0"):
+            wait_for_health(url, server, 0)
+    finally:
+        server.terminate()
+        server.wait(30)
+    log = tmp_path / "server.log"
+    log.write_text("x" * 5000 + "the model did not load")
+    failed = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    with pytest.raises(RuntimeError, match="exited with status 3:\nx{2978}the model did not load$"):
+        wait_for_health(url, failed, 60, log=log)
+
+
 needs_serve = pytest.mark.skipif(
     not all(
         _compat.first_present(seam) for seam in (_compat.SERVING_BUILD, _compat.SERVING_SEND, *_compat.SERVING_RUNNERS)
     ),
     reason="this transformers has not the serve seams of 5.25 (or not its serving extra)",
 )
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 @contextlib.contextmanager
@@ -294,9 +320,7 @@ def _started(
     root: Any, folder: Any, repo: Any, *options: str, env: dict[str, str] | None = None
 ) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
     """:func:`_server`'s command, its process and URL; what is left of its process group is stopped after."""
-    import httpx
-
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_UPDATE_CHECK": "1", **(env or {})}
     command = [sys.executable, "-m", "kernelpolicy", "serve", str(folder), "--continuous-batching"]
     command += ["--cb-num-blocks", "64", "--cb-max-batch-tokens", "512", "--device", "cpu"]
@@ -306,16 +330,10 @@ def _started(
     server = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if server.poll() is not None or time.monotonic() > deadline:
-                pytest.fail("the server did not start:\n" + log_path.read_text()[-3000:])
-            time.sleep(0.5)
+        try:
+            wait_for_health(url, server, log=log_path)
+        except RuntimeError as error:
+            pytest.fail(str(error))
         yield server, url
     finally:
         with contextlib.suppress(ProcessLookupError):  # gone already: it failed to start

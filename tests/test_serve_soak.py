@@ -36,7 +36,6 @@ from test_serve import (
     MARKED,
     MARKER,
     PROMPTS,
-    _free_port,
     _samples,
     ids,
     marker_kernel_source,
@@ -46,6 +45,7 @@ from test_serve import (
 
 import kernelpolicy as kp
 from kernelpolicy.serving import HEADER
+from kernelpolicy.testing import free_port, wait_for_health
 
 #: The soak stops at whichever comes first: this many seconds of traffic, or this many requests.
 DEADLINE_S = 120.0
@@ -172,9 +172,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path, A
 
 def start(root: Path, folder: Path, repo: Path) -> tuple[subprocess.Popen[bytes], str, Path]:
     """The server, started as a user starts it, until /health answers; its process, URL and log."""
-    import httpx
-
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_UPDATE_CHECK": "1"}
     command = [sys.executable, "-m", "kernelpolicy", "serve", str(folder), "--continuous-batching"]
     command += ["--cb-num-blocks", "64", "--cb-max-batch-tokens", "512", "--device", "cpu"]
@@ -183,17 +181,13 @@ def start(root: Path, folder: Path, repo: Path) -> tuple[subprocess.Popen[bytes]
     log = root / f"server-{port}.log"
     with log.open("w") as output:
         server = subprocess.Popen(command, env=env, stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
-    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 180
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return server, url, log
-        except httpx.HTTPError:
-            pass
-        if server.poll() is not None or time.monotonic() > deadline:
-            stop(server)
-            pytest.fail("the server did not start:\n" + log.read_text()[-3000:])
-        time.sleep(0.5)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for_health(url, server, log=log)
+    except RuntimeError as error:
+        stop(server)
+        pytest.fail(str(error))
+    return server, url, log
 
 
 def stop(server: subprocess.Popen[bytes]) -> None:
