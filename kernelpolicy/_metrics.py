@@ -57,11 +57,18 @@ logger = logging.getLogger("kernelpolicy")
 
 #: The environment variable ``prometheus_client`` reads its multiprocess folder from.
 DIRECTORY_ENV: Final = "PROMETHEUS_MULTIPROC_DIR"
+#: The environment variable the launcher turns the metrics off in (``0``: ``--no-metrics``), for every process.
+ENABLED_ENV: Final = "KERNELPOLICY_SERVE_METRICS"
 #: The policy label of the request being served (the API server's middleware sets it).
 LABEL: contextvars.ContextVar[str] = contextvars.ContextVar("kernelpolicy.serve.label", default=OTHER)
 _RATES: Final = (1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 2000.0, 5000.0)
 #: The error kind of an exception class a forward call raised.
 _KINDS: Final = {"KernelUnavailableError": "kernel_unavailable", "KernelMismatchError": "kernel_mismatch"}
+
+
+def enabled() -> bool:
+    """Whether this server counts (``--no-metrics`` turns it off: no ``/metrics``, no recording of kernel calls)."""
+    return os.environ.get(ENABLED_ENV, "1") != "0"
 
 
 def prepare() -> str | None:
@@ -115,7 +122,8 @@ def exposition() -> tuple[bytes, str]:
 
 
 def error(kind: str) -> None:
-    metrics().errors.labels(kind).inc()
+    if enabled():
+        metrics().errors.labels(kind).inc()
 
 
 async def observe_request(send: Any, streamer: Any) -> Any:

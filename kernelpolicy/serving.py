@@ -176,7 +176,8 @@ def _install_api_side() -> None:
     def build_server(*args: Any, **kwargs: Any) -> Any:
         app = build(*args, **kwargs)
         app.add_middleware(PolicyHeader)
-        app.add_route("/metrics", _metrics_route, methods=["GET"])
+        if _metrics.enabled():
+            app.add_route("/metrics", _metrics_route, methods=["GET"])
         app.add_exception_handler(_RequestFailedError, _request_failed)
         return app
 
@@ -191,6 +192,8 @@ def _install_api_side() -> None:
             inputs, settings = args
             args = (inputs, {**settings, _KEY: str(current_policy())})
             try:
+                if not _metrics.enabled():
+                    return await send(self, method, args, streamer)
                 return await _metrics.observe_request(lambda: send(self, method, args, streamer), streamer)
             except RuntimeError as error:
                 # the engine sends a request's failure as a plain RuntimeError (its text); transformers' handlers
@@ -277,7 +280,9 @@ def _install_engine_side() -> None:
     from ._scope import _recording_scope, kernel_policy
 
     batching.install()
-    _metrics.install_engine()
+    counted = _metrics.enabled()
+    if counted:
+        _metrics.install_engine()
     settings_ = json.loads(os.environ.get(CANARY_ENV) or '{"sample": 0, "fail": false}')
     sample, fail, draw = float(settings_["sample"]), bool(settings_["fail"]), random.Random()
     for internal in (_compat.SERVING_GENERATE, _compat.SERVING_CB_GENERATE):
@@ -292,12 +297,14 @@ def _install_engine_side() -> None:
             if sample and draw.random() < sample:
                 sampled = canary(policy, fail=fail)
                 if sampled is not None:
-                    _metrics.metrics().canaries.labels(_allowed().label(policy, current_policy())).inc()
+                    if counted:
+                        _metrics.metrics().canaries.labels(_allowed().label(policy, current_policy())).inc()
                     policy = sampled
             with contextlib.ExitStack() as scopes:
                 scopes.enter_context(kernel_policy(policy))
-                # every call of this request counts in the metrics (continuous batching: in the steps serving it)
-                scopes.enter_context(_recording_scope(None, recording=True, recorders=(*RECORDERS.get(), CALLS)))
+                if counted:  # every call of this request counts (continuous batching: in the steps serving it)
+                    recorders = (*RECORDERS.get(), CALLS)
+                    scopes.enter_context(_recording_scope(None, recording=True, recorders=recorders))
                 generate(self, request_id, inputs, settings, stream)
 
         owner.generate = policy_generate
@@ -338,7 +345,7 @@ def _option(arguments: list[str], name: str) -> str | None:
 #: kernelpolicy's own options of the command, each taking a value (the others are ``transformers serve``'s).
 _VALUED = ("--kernel", "--allow-modes", "--allow-policy", "--verify-sample")
 #: Its flags.
-_FLAGS = ("--ignore-policy-header", "--verify-fail")
+_FLAGS = ("--ignore-policy-header", "--verify-fail", "--no-metrics")
 
 
 def _own_options(argv: list[str]) -> tuple[dict[str, list[str]], list[str]]:
@@ -399,7 +406,8 @@ def _remove_at_exit(folder: str) -> None:
 
 def main(argv: list[str]) -> int:
     """``python -m kernelpolicy serve [--kernel NAME=PATH ...] [--allow-modes MODES] [--allow-policy POLICY ...]
-    [--ignore-policy-header] [--verify-sample FRACTION [--verify-fail]] MODEL [transformers serve options]``."""
+    [--ignore-policy-header] [--verify-sample FRACTION [--verify-fail]] [--no-metrics] MODEL [transformers serve
+    options]``."""
     own, rest = _own_options(argv)
     kernels: dict[str, str] = {}
     for value in own.get("--kernel", []):
@@ -441,7 +449,11 @@ def main(argv: list[str]) -> int:
         return 1
     import importlib.util
 
-    if importlib.util.find_spec("prometheus_client") is None:  # not imported: its multiprocess folder comes first
+    counted = "--no-metrics" not in own
+    os.environ[_metrics.ENABLED_ENV] = "1" if counted else "0"  # every process of the server reads it
+    if (
+        counted and importlib.util.find_spec("prometheus_client") is None
+    ):  # not imported: its multiprocess folder comes first
         print(
             "kernelpolicy serve: GET /metrics needs prometheus_client: pip install 'kernelpolicy[server]'",
             file=sys.stderr,
@@ -449,7 +461,7 @@ def main(argv: list[str]) -> int:
         return 1
     if kernels:
         os.environ[KERNELS_ENV] = json.dumps(kernels)
-    made = _metrics.prepare()  # before prometheus_client's values are made, in this process and those it spawns
+    made = _metrics.prepare() if counted else None  # before prometheus_client's values are made, in every process
     if made is not None:
         _remove_at_exit(made)
     os.environ[ACCESS_ENV] = access.to_json()  # the API server processes read it too

@@ -296,7 +296,7 @@ def test_wait_for_health_returns_on_a_200_and_says_why_it_stopped_waiting(tmp_pa
     log = tmp_path / "server.log"
     log.write_text("x" * 5000 + "the model did not load")
     failed = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
-    with pytest.raises(RuntimeError, match="exited with status 3:\nx{2978}the model did not load$"):
+    with pytest.raises(RuntimeError, match=r"exited with status 3:\nx{2978}the model did not load$"):
         wait_for_health(url, failed, 60, log=log)
 
 
@@ -653,6 +653,29 @@ def test_metrics_count_requests_tokens_errors_and_kernel_calls_by_policy(served:
     assert delta("kernelpolicy_kernel_calls_total", layer="RMSNorm", path="kernel") > 0
     assert delta("kernelpolicy_kernel_calls_total", layer="RMSNorm", path="original") > 0
     assert not any(name.startswith("kernelpolicy") and "verify" in str(labels) for name, labels in after)
+
+
+@pytest.mark.slow
+@needs_serve
+def test_no_metrics_serves_without_counting(model_and_kernel: tuple[Any, Any, Any, Any], tmp_path: Any) -> None:
+    """``--no-metrics``: no ``GET /metrics`` (404), no metrics folder made, no recording of kernel calls; requests
+    still get their policy's tokens and a bad header its 400 (was: the option went to transformers serve, which
+    refused it)."""
+    import httpx
+
+    root, folder, repo, reference = model_and_kernel
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    env = {"TMPDIR": str(temp), "PROMETHEUS_MULTIPROC_DIR": "", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    with _server(root, folder, repo, "--no-metrics", env=env) as url:
+        for policy in (None, "RMSNorm=disable"):
+            status, body = chat(url, str(folder), PROMPTS[1], policy)
+            assert status == 200 and ids(body["choices"][0]["message"]["content"]) == solo(
+                reference, policy or "prefer", PROMPTS[1]
+            )
+        assert chat(url, str(folder), PROMPTS[1], "bogus")[0] == 400
+        assert httpx.get(f"{url}/metrics", timeout=30).status_code == 404
+        assert not [path.name for path in temp.iterdir() if path.name.startswith("kernelpolicy-metrics-")]
 
 
 @pytest.mark.slow
