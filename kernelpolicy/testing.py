@@ -468,9 +468,10 @@ class ShowcaseModel(DemoModel):
         super().__init__(hidden, blocks, activation=SiLU)
 
 
-def save_tiny_llama(folder: Path | str, seed: int = 0) -> Path:
+def save_tiny_llama(folder: Path | str, seed: int = 0, **fields: Any) -> Path:
     """Save :func:`tiny_llama` with a tokenizer of its own (256 words, a chat template) to ``folder``: a model
-    folder ``from_pretrained`` and ``transformers serve`` load offline. Word ``w<i>`` is token ``i``."""
+    folder ``from_pretrained`` and ``transformers serve`` load offline. Word ``w<i>`` is token ``i``. Keyword
+    arguments are ``LlamaConfig`` fields, as :func:`tiny_llama` takes them (``vocab_size`` stays 256)."""
     from pathlib import Path
 
     import tokenizers
@@ -484,7 +485,11 @@ def save_tiny_llama(folder: Path | str, seed: int = 0) -> Path:
     fast_class: Any = transformers.PreTrainedTokenizerFast  # untyped on some releases
     fast = fast_class(tokenizer_object=tokenizer, unk_token="w0", pad_token="w0", eos_token="w0")
     fast.chat_template = "{% for message in messages %}{{ message['content'] }} {% endfor %}"
-    model = tiny_llama(seed)
+    if fields.get("vocab_size", 256) != 256:
+        raise ValueError(
+            f"save_tiny_llama: vocab_size must be 256 (the tokenizer's words), got {fields['vocab_size']!r}"
+        )
+    model = tiny_llama(seed, **fields)
     model.generation_config.eos_token_id = None  # greedy runs to max_tokens: every answer has its full length
     model.save_pretrained(folder)
     fast.save_pretrained(folder)
