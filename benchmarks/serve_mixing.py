@@ -155,7 +155,8 @@ class _References:
         import kernelpolicy as kp
         from kernelpolicy.testing import local_mapping
 
-        self.model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+        auto: Any = transformers.AutoModelForCausalLM  # untyped on some releases
+        self.model = auto.from_pretrained(folder).eval()
         with local_mapping({"RMSNorm": repo}):
             kp.kernelize(self.model, mode="inference", device="cpu")
         self.tokens, self.known = tokens, dict[tuple[int, str], list[int]]()
@@ -254,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     import kernelpolicy
 
     print(
-        f"# serve_mixing, {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC: python -m benchmarks.serve_mixing "
+        f"# serve_mixing, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC: python -m benchmarks.serve_mixing "
         f"{' '.join(sys.argv[1:] if argv is None else argv)}; torch {torch.__version__}, transformers "
         f"{transformers.__version__}, kernelpolicy {kernelpolicy.__version__}, {os.cpu_count()} CPUs, load average "
         f"{os.getloadavg()[0]:.1f}",

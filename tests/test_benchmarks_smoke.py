@@ -195,3 +195,26 @@ def test_the_mixing_benchmark_times_each_join(capsys: pytest.CaptureFixture[str]
     assert {m.task_spec.description for m in results} == {"one path", "select", "split"}
     assert len(results) == 18 and all(m.median > 0 for m in results)
     assert "attention" in capsys.readouterr().out
+
+
+@pytest.mark.slow  # three servers start (about a minute)
+def test_the_serve_mixing_benchmark_runs_every_arm_and_checks_every_answer() -> None:
+    """``python -m benchmarks.serve_mixing``, one round of a few tokens on the tiny Llama: a row per arm with
+    positive tokens/s and ratios, and every answer equal to its prompt's solo run (exit status 0)."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("httpx")
+    from kernelpolicy import _compat
+
+    seams = (_compat.SERVING_BUILD, _compat.SERVING_SEND, *_compat.SERVING_RUNNERS)
+    if not all(_compat.first_present(seam) for seam in seams):
+        pytest.skip("this transformers has not the serve seams of 5.25 (or not its serving extra)")
+    from benchmarks import serve_mixing
+
+    command = [sys.executable, "-m", "benchmarks.serve_mixing", "--models", "tiny", "--rounds", "1"]
+    command += ["--streams", "4", "--requests", "1", "--tokens", "4"]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, f"stdout:\n{done.stdout[-4000:]}\nstderr:\n{done.stderr[-4000:]}"
+    rows = [line.split(" | ") for line in done.stdout.splitlines() if line.startswith("| tiny | ")]
+    assert [row[1] for row in rows] == [arm for arm, _, _ in serve_mixing.ARMS]
+    assert all(positive(float(value.strip(" |"))) for row in rows for value in row[2:])
+    assert "answers checked against their solo run: 20, mismatches: 0" in done.stdout
