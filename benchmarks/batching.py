@@ -15,7 +15,7 @@ result (the manager is started in the untimed setup and stopped after: its threa
 which would add up to 0.1 s at random to a timed stop), the arms
 interleaved over the rounds so a drift of the machine hits them all. Printed: torch's ``Compare`` table, then
 tokens/s per arm (median over the rounds), its ratio to transformers alone and, for the mixed arms, to one
-policy. ``--compiled`` counts instead the graphs TorchDynamo compiles for a manager with
+policy (each ratio the median of the rounds' ratios: a round's arms share its load). ``--compiled`` counts instead the graphs TorchDynamo compiles for a manager with
 ``default_compile_level=1`` while the mix changes from step to step (after its warm-up: 0 expected).
 """
 
@@ -179,13 +179,14 @@ def main(rounds: int = 4, requests: int = 16, new_tokens: int = 64, size: str = 
             results.append(measurement)
             rates[label].append(counted[-1] / measurement.median)
     print(Compare(results))  # Compare.print() is untyped in torch 2.9; its str() is the same table
-    baseline = statistics.median(rates["transformers alone"])
-    one = statistics.median(rates["kernelpolicy, 1 policy"])
+    # Ratios are medians of per-round ratios: the arms of one round run back to back, so a round's load is shared.
+    baseline, one = rates["transformers alone"], rates["kernelpolicy, 1 policy"]
     print(f"{size} Llama: {'arm':<36} {'tokens/s':>10} {'ratio':>7} {'to 1 policy':>12}")
     for label, values in rates.items():
-        rate = statistics.median(values)
-        mixed = f"{rate / one:>12.3f}" if "policies" in label else ""
-        print(f"{'':<13}{label:<36} {rate:>10.1f} {rate / baseline:>7.3f} {mixed}")
+        ratio = statistics.median(v / b for v, b in zip(values, baseline, strict=True))
+        mixed = statistics.median(v / o for v, o in zip(values, one, strict=True))
+        shown = f"{mixed:>12.3f}" if "policies" in label else ""
+        print(f"{'':<13}{label:<36} {statistics.median(values):>10.1f} {ratio:>7.3f} {shown}")
     return results
 
 
