@@ -394,26 +394,42 @@ def _own_copy_members(cls: type[nn.Module]) -> dict[str, Any]:
     Such a class copies and pickles itself with its kernel (a wrapper is rebuilt by name and gets its
     kernel's forward back). Its own ``__copy__`` and ``__reduce__`` run here on a plain view of the module, as
     kernels left it (:func:`_as_kernels_bound`), and the result is made policy-aware again.
+
+    An instance kernelpolicy has not bound (a per-model wrapper kernels builds, ``type(function)()``, of a
+    function marked with kernelpolicy's ``use_kernel_forward_from_hub``, not attached yet) is a plain module
+    to kernelpolicy: its class's own code copies and pickles it as it is, with a forward bound on it by hand
+    (``wrapper.forward = MethodType(f, wrapper)``), and the copy is not bound either.
     """
     members: dict[str, Any] = {}
     parent_copy = _defined_below_module(cls, "__copy__")
+    parent_deepcopy = _defined_below_module(cls, "__deepcopy__")
     parent_reduce = _defined_below_module(cls, "__reduce__")
     parent_setstate: Callable[..., Any] = cls.__setstate__
 
     if parent_copy is not None:
 
         def __copy__(self: nn.Module) -> nn.Module:
+            if binding_of(self) is None:
+                return cast("nn.Module", parent_copy(self))
             new: nn.Module = parent_copy(_as_kernels_bound(self))
             _make_copy_aware(new, self)
             return new
 
         members["__copy__"] = __copy__
+    if parent_deepcopy is not None:
+
+        def __deepcopy__(self: nn.Module, memo: dict[int, Any]) -> nn.Module:
+            if binding_of(self) is None:
+                return cast("nn.Module", parent_deepcopy(self, memo))
+            return _copied(self, _own_state(self), memo)
+
+        members["__deepcopy__"] = __deepcopy__
     if parent_reduce is not None:
 
         def __reduce_ex__(self: nn.Module, protocol: Any) -> Any:
             by_name = parent_reduce(self)
-            if isinstance(by_name, str):
-                return by_name  # the function's global module: pickled by its name
+            if isinstance(by_name, str) or binding_of(self) is None:
+                return by_name  # the function's global module, pickled by its name; or a module not bound
             rebuild, arguments, *state = parent_reduce(_as_kernels_bound(self))
             return (_restore_reduced, (rebuild, arguments, _module_name(self)), *state)
 

@@ -25,6 +25,7 @@ import pickle
 import subprocess
 import sys
 import textwrap
+import types
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -1167,6 +1168,51 @@ def test_pickle_round_trip_of_a_model_with_function_kernels(kit: Kit, x: torch.T
         kit.kernelize(loaded)
     close(loaded(x), func_net_out(loaded, x, norm_offset=2.0, func_offset=20.0))
     close(model(x), func_net_out(model, x, norm_offset=1.0, func_offset=10.0))
+
+
+class HandKernel(nn.Module):
+    """A kernel for the ``Scale`` function bound by hand, as kernels' tests do: ``x * 2 + 5``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2.0 + 5.0
+
+
+@ways()
+@needs_per_model_functions
+@pytest.mark.parametrize("how", ["copy", "deepcopy", "deepcopy model", "pickle model"])
+def test_a_forward_bound_by_hand_on_a_function_wrapper_is_kept_by_copies_and_pickles(
+    kit: Kit, x: torch.Tensor, how: str
+) -> None:
+    """kernels' ``test_kernel_func_copy_is_independent`` and ``test_kernel_func_serialization_is_independent``:
+    a forward bound on a model's function wrapper as a method (``wrapper.forward = MethodType(f, wrapper)``, how
+    kernels binds) is kept, bound to the copy, by ``copy.copy`` and ``copy.deepcopy`` of the wrapper and by
+    ``copy.deepcopy`` and pickle of the model; kernelizing the copy with no kernel mapped leaves the original's.
+    With the drop-in names (no kernelize: the wrapper is not bound by kernelpolicy) the copy ran the function
+    itself, silently (issue 41, item 7)."""
+    model = kit.func_model_class()()
+    wrapper = next(iter(model._kernel_funcs.values()))
+    wrapper.forward = types.MethodType(HandKernel.forward, wrapper)
+    if kit.way == "attach":
+        kernelpolicy.attach(model)
+    expected = func_net_out(model, x, func_offset=5.0)
+    close(wrapper(x), x * 2.0 + 5.0)
+    close(model(x), expected)
+    if how in ("copy", "deepcopy"):
+        copied = (copy.copy if how == "copy" else copy.deepcopy)(wrapper)
+        assert copied is not wrapper
+        assert copied.__dict__["forward"].__self__ is copied
+        close(copied(x), x * 2.0 + 5.0)
+        close(wrapper(x), x * 2.0 + 5.0)
+        return
+    restored = copy.deepcopy(model) if how == "deepcopy model" else pickle.loads(pickle.dumps(model))
+    restored_wrapper = next(iter(restored._kernel_funcs.values()))
+    assert restored_wrapper is not wrapper
+    assert restored_wrapper.__dict__["forward"].__self__ is restored_wrapper
+    close(restored(x), func_net_out(restored, x, func_offset=5.0))
+    with kernels.use_kernel_mapping({FUNC: {}}, inherit_mapping=False):
+        kit.kernelize(restored)
+    close(restored(x), func_net_out(restored, x))
+    close(model(x), expected)
 
 
 @ways()
