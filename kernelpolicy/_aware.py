@@ -67,7 +67,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
 
-__all__ = ["KERNELIZING", "NO_ORIGINAL", "ORIGINALS", "binding_of", "bound_forward"]
+__all__ = ["KERNELIZING", "NO_ORIGINAL", "ORIGINALS", "binding_of", "bound_by_hand", "bound_forward"]
 
 _compat.check_torch()
 
@@ -223,10 +223,24 @@ def _assign_forward(module: nn.Module, value: Any) -> None:
         binding.wrapper = None
         module.__dict__["forward"] = value
     elif _watch.kernels_binding() or not _watch.watching() or _kernels_form(value, module):
+        by_hand = _watch.watching() and not _watch.kernels_binding()
         _bind(module, value, binding.module_name)
+        kernel = module.__dict__[BINDING].kernel
+        if by_hand and kernel is not None:
+            _BY_HAND[module] = kernel
     else:
         binding.wrapper = value
         module.__dict__["forward"] = value
+
+
+# Module -> the kernel bound on it by hand (``module.forward = MethodType(f, module)`` outside kernels), for explain.
+_BY_HAND: weakref.WeakKeyDictionary[nn.Module, Callable[..., Any]] = weakref.WeakKeyDictionary()
+
+
+def bound_by_hand(module: nn.Module) -> bool:
+    """Whether the kernel of a policy-aware ``module`` was bound as a method by hand, not by kernels' binding."""
+    binding = _stored_binding(module)
+    return binding is not None and binding.kernel is not None and _BY_HAND.get(module) is binding.kernel
 
 
 def _on_own_module(module: nn.Module, original: Callable[..., Any]) -> Callable[..., Any]:
@@ -505,6 +519,8 @@ def _copied(module: nn.Module, state: dict[str, Any], memo: dict[int, Any] | Non
         wrapper = copy.deepcopy(wrapper, memo)
     new.__dict__.update(state)
     _rebind(new, binding.kernel if binding is not None else None, _module_name(module))
+    if bound_by_hand(module) and binding is not None and binding.kernel is not None:
+        _BY_HAND[new] = binding.kernel  # the copy's binding has the same kernel function
     _copy_variants(module, new)
     copied = _stored_binding(new)
     if copied is not None and binding is not None and binding.dispatcher is not None:

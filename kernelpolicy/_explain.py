@@ -23,7 +23,7 @@ from torch.compiler import is_dynamo_compiling as _is_dynamo
 
 from ._active import UNRECORDED, current_policy, in_effect
 from ._attach import kernel_modules
-from ._aware import binding_of, bound_forward
+from ._aware import binding_of, bound_by_hand, bound_forward
 from ._binding import BINDING, Binding
 from ._dispatch import USABLE, autograd_records
 from ._errors import KernelUnavailableError
@@ -343,6 +343,7 @@ def _row(
             reason = f"{USABLE} for calls its rule accepts ({rule.describe()})"
         if found.failures and found.stopped is None:
             reason = f"{reason}; {found.failures} failure(s) so far under fallback_on (last: {found.last_failure})"
+    assigned = _assigned(found)
     return LayerRow(
         name=name,
         layer_name=found.layer_name,
@@ -352,10 +353,26 @@ def _row(
         has_backward=found.has_backward,
         mode=mode,
         path=path,
-        reason=reason,
+        reason=reason if assigned is None else f"{reason}; {assigned}",
         policy_aware=True,
         calls=None if recorded is None else recorded.for_module(found.module),
     )
+
+
+def _assigned(binding: Binding) -> str | None:
+    """What was assigned as ``module.forward`` by hand, when the policy treats it in a way to say (issue 41).
+
+    A function bound to the module as a method is kernels' form: it is the module's kernel (not run under
+    ``disable``). Anything else assigned (a plain function, a ``functools.partial``, accelerate's hook) wraps
+    the policy's path and runs under every mode.
+    """
+    if binding.wrapper is not None:
+        wrapped = getattr(binding.wrapper, "func", binding.wrapper)  # a functools.partial: the function it calls
+        name = getattr(wrapped, "__qualname__", type(wrapped).__qualname__)
+        return f"module.forward is {name}: a wrapper around this path, run under every mode"
+    if bound_by_hand(binding.module):
+        return "kernel bound by hand (module.forward = MethodType(f, module)): the kernel to the policy, not run under disable"
+    return None
 
 
 def _on_dtensor(binding: Binding, mode: str, path: Path, reason: str) -> tuple[Path, str]:

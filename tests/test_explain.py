@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+import functools
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -128,3 +131,45 @@ def test_explain_in_compiled_code_breaks_the_graph_with_kernelpolicys_message(
     assert {row.path for row in explained} == {"original"}
     first = next(iter(counters["graph_break"]))
     assert "kernelpolicy.explain() is not traced by torch.compile" in first, first
+
+
+@kp.use_kernel_forward_from_hub("KpExplainTwice")
+class Twice(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 2 * x
+
+
+def instrumented(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return Twice.forward(self, x) + 100  # an instrumentation wrapper, bound the usual monkeypatching way
+
+
+def test_explain_says_what_a_forward_assigned_by_hand_is() -> None:
+    """Issue 41, item 8: a function bound as a method (``types.MethodType``) counts as the kernel, so it does not
+    run under ``disable``; a plain function or a ``functools.partial`` wraps the policy's path and runs under
+    every policy. explain says which, in the row's reason, also on a deep copy."""
+    model = nn.Sequential(Twice(), Twice(), Twice())
+    model[0].forward = types.MethodType(instrumented, model[0])
+    model[1].forward = functools.partial(Twice.forward, model[1])
+    x = torch.ones(1)
+    assert [model[0](x).item(), model[1](x).item()] == [102.0, 2.0]
+    with kp.kernels_disabled():
+        assert [model[0](x).item(), model[1](x).item()] == [2.0, 2.0]
+        disabled = kp.explain(model)
+    by_hand = (
+        "kernel bound by hand (module.forward = MethodType(f, module)): the kernel to the policy, not run under disable"
+    )
+    wrapper = "module.forward is Twice.forward: a wrapper around this path, run under every mode"
+    assert [row.reason for row in disabled] == [
+        f"disabled by policy; {by_hand}",
+        f"disabled by policy; {wrapper}",
+        "disabled by policy",
+    ]
+    rows = kp.explain(copy.deepcopy(model)).rows
+    assert [(row.path, row.kernel, row.reason) for row in rows] == [
+        ("kernel", "instrumented", f"kernel usable; {by_hand}"),
+        ("original", None, f"no kernel bound; {wrapper}"),
+        ("original", None, "no kernel bound"),
+    ]
+    assert by_hand in str(kp.explain(model))
+    del model[0].forward  # the class's own forward again: no kernel, nothing to say
+    assert kp.explain(model).rows[0].reason == "no kernel bound"
