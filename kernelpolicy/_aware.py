@@ -150,7 +150,7 @@ def _make_aware(module: nn.Module, module_name: str | None) -> None:
 
 
 #: Where accelerate's hooks keep the forward they wrap (``add_hook_to_module``), and call it from.
-_WRAPPED: Final = "_old_forward"
+_WRAPPED: Final = _compat.ACCELERATE_WRAPPED
 
 
 def _kernels_form(forward: Any, module: nn.Module) -> TypeGuard[types.MethodType]:

@@ -22,6 +22,8 @@ from torch.nn.modules.module import (  # the names nn.Module._call_impl reads, f
     _global_forward_pre_hooks,
 )
 
+from . import _compat
+
 if TYPE_CHECKING:
     from collections.abc import Callable
 
@@ -98,7 +100,8 @@ def _skip_as_dynamo_frame() -> None:
     global _FRAME_SKIPPED
     if _FRAME_SKIPPED:
         return
-    skip = getattr(sys.modules.get("torch._dynamo.eval_frame"), "skip_code", None)
+    module = _compat.DYNAMO_SKIP_CODE.names[0].rpartition(".")[0]
+    skip = _compat.resolve(_compat.DYNAMO_SKIP_CODE) if module in sys.modules else None  # told if it moved
     if skip is not None:
         skip(_aware_call.__code__)
         _FRAME_SKIPPED = True

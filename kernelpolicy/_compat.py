@@ -48,6 +48,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BATCHING",
+    "BATCHING_ATTRIBUTES",
     "BATCHING_MANAGER",
     "INTERNALS",
     "SUPPORTED",
@@ -141,13 +142,16 @@ def kernels() -> ModuleType:
 class Internal:
     """One private dependency: what it is for, the names that provide it, and the fallback.
 
-    ``seen``: for each of ``names``, the releases it was seen in (empty: not recorded).
+    ``seen``: for each of ``names``, the releases it was seen in (empty: not recorded). ``parameters``: for a
+    method kernelpolicy wraps, its parameter names after ``self`` that the wrapper takes (a release whose
+    method has others counts as missing: the wrapper would pass the wrong arguments).
     """
 
     used_for: str
     names: tuple[str, ...]
     fallback: str | None = None
     seen: tuple[str, ...] = ()
+    parameters: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.seen and len(self.seen) != len(self.names):
@@ -175,6 +179,8 @@ class Found:
             )
         )
         effect = f"falls back to {self.internal.fallback}" if self.internal.fallback else "cannot work"
+        if self.internal.parameters is not None:
+            names = f"{names} with parameters ({', '.join(self.internal.parameters)})"
         return f"{self.internal.used_for}: MISSING {names}; kernelpolicy {effect}"
 
 
@@ -272,6 +278,36 @@ CHECKPOINT_FRAME = Internal(
     ("torch.utils.checkpoint._CheckpointFrame",),
     SAVED_TENSOR_HOOKS.fallback,
 )
+AUTOGRAD_NODE = Internal(
+    "checkpoint recomputation: whether a reentrant checkpoint's backward runs the call",
+    ("torch._C._current_autograd_node",),
+    GRAPH_TASK_ID.fallback,
+)
+DYNAMO_SKIP_CODE = Internal(
+    "compiled code resuming after a graph break enters a policy-aware module at forward, as a plain one",
+    ("torch._dynamo.eval_frame.skip_code",),
+    "TorchDynamo converts the folded call frame too (a hook disabled for Dynamo there breaks the graph once more)",
+)
+_CONFIG_USE = "compile settings: recompile limit, caching precompile (warmup, persisted programs, artifacts, doctor)"
+DYNAMO_CONFIG = Internal(_CONFIG_USE, ("torch._dynamo.config",))
+INDUCTOR_CONFIG = Internal(_CONFIG_USE, ("torch._inductor.config",), "the doctor does not show inductor's caches")
+FUNCTORCH_CONFIG = Internal(_CONFIG_USE, ("torch._functorch.config",), "the doctor does not show the autograd cache")
+AOTI_PACKAGE = Internal(
+    "artifacts: AOTInductor packages of exported programs", ("torch._inductor.aoti_compile_and_package",)
+)
+#: Not names to look up but attributes of objects other libraries make, which kernelpolicy reads: accelerate's
+#: hooks keep the forward they wrap in ``_old_forward`` (``_aware``); transformers' configs and model classes
+#: say the attention chosen and whether sdpa is supported (``_transformers``); and the instance attributes of
+#: transformers' batching objects that ``kernelpolicy.batching`` reads, checked on each object before it is
+#: wrapped (:func:`missing_attributes`: a missing one leaves the manager as transformers made it, and says so).
+ACCELERATE_WRAPPED: Final = "_old_forward"
+TRANSFORMERS_ATTRIBUTES: Final = ("_attn_implementation", "_supports_sdpa")
+BATCHING_ATTRIBUTES: Final[dict[str, tuple[str, ...]]] = {
+    "ContinuousBatchingManager": ("input_queue", "model"),
+    "ContinuousBatchProcessor": ("scheduler", "cache", "inputs_and_outputs", "use_async_batching"),
+    "Scheduler": ("active_requests", "waiting_requests", "waiting_requests_order"),
+    "PagedAttentionCache": ("cache_allocators",),
+}
 _K016 = "kernels.layer"  # kernels 0.16-0.18
 _K019 = "kernels._internals.layer"  # kernels 0.19
 _KERNELS_SEEN = ("kernels 0.19", "kernels 0.16-0.18")
@@ -320,25 +356,39 @@ BATCHING_MANAGER = Internal(
     _BATCHING_FALLBACK,
     seen=("transformers 5.22-5.25",),
 )
-#: The methods of transformers' batching machinery that kernelpolicy.batching wraps, per instance.
-BATCHING = tuple(
-    Internal(_BATCHING_USE, (f"{_CB}.{name}",), _BATCHING_FALLBACK, seen=("transformers 5.22-5.25",))
-    for name in (
-        "continuous_api.ContinuousBatchingManager._create_batch_processor",
-        "continuous_api.ContinuousBatchProcessor._generation_step",
-        "continuous_api.ContinuousBatchProcessor._handle_request_error",
-        "continuous_api.ContinuousBatchProcessor.warmup",
-        "input_outputs.ContinuousBatchingIOs.prepare_batch_tensors",
-        "input_outputs.ContinuousBatchingIOs.prepare_batch_update",
-        "input_outputs.ContinuousBatchingAsyncIOs.prepare_batch_tensors",
-        "input_outputs.ContinuousBatchingAsyncIOs.prepare_batch_update",
-        "scheduler.Scheduler.schedule_batch",
-        "scheduler.Scheduler.finish_request",
-        "scheduler.Scheduler.add_waiting_request",
-        "scheduler.Scheduler.clear_cancelled_requests",
-        "cache.PagedAttentionCache.search_prefix_match",
+#: The methods of transformers' batching machinery that kernelpolicy.batching wraps, per instance, and the
+#: parameter names the installed release's method must have (``None``: not checked, the wrapper takes any).
+_PREPARE = (
+    "requests_in_batch",
+    "logits_processors",
+    "use_decode_fast_path",
+    "num_q_tokens",
+    "max_kv_read",
+    "use_padding",
+)
+PARAMETERS: Final[tuple[tuple[str, tuple[str, ...] | None], ...]] = (
+    ("continuous_api.ContinuousBatchingManager._create_batch_processor", ()),
+    ("continuous_api.ContinuousBatchProcessor._generation_step", ("model",)),
+    ("continuous_api.ContinuousBatchProcessor._handle_request_error", ("error", "state")),
+    ("continuous_api.ContinuousBatchProcessor.warmup", ("model",)),
+    ("input_outputs.ContinuousBatchingIOs.prepare_batch_tensors", _PREPARE),
+    ("input_outputs.ContinuousBatchingIOs.prepare_batch_update", ()),
+    ("input_outputs.ContinuousBatchingAsyncIOs.prepare_batch_tensors", _PREPARE),
+    ("input_outputs.ContinuousBatchingAsyncIOs.prepare_batch_update", ()),
+    ("scheduler.Scheduler.schedule_batch", ("token_budget", "cache_budget")),
+    ("scheduler.Scheduler.finish_request", ("request_id",)),
+    ("scheduler.Scheduler.add_waiting_request", ("state",)),
+    ("scheduler.Scheduler.clear_cancelled_requests", ()),
+    ("cache.PagedAttentionCache.search_prefix_match", ("request_id", "prompt_ids")),
+    (
         "cache_allocators.cache_allocator.CacheAllocator.mark_complete_blocks",
-    )
+        ("request_id", "token_ids", "new_new_blocks"),
+    ),
+)
+#: With the parameter names (after ``self``) of each, which kernelpolicy.batching's wrapper of it takes.
+BATCHING = tuple(
+    Internal(_BATCHING_USE, (f"{_CB}.{name}",), _BATCHING_FALLBACK, ("transformers 5.22-5.25",), parameters)
+    for name, parameters in PARAMETERS
 )
 
 _SERVING = "transformers.cli.serving"
@@ -380,6 +430,12 @@ INTERNALS: tuple[Internal, ...] = (
     GRAPH_TASK_ID,
     SAVED_TENSOR_HOOKS,
     CHECKPOINT_FRAME,
+    AUTOGRAD_NODE,
+    DYNAMO_SKIP_CODE,
+    DYNAMO_CONFIG,
+    INDUCTOR_CONFIG,
+    FUNCTORCH_CONFIG,
+    AOTI_PACKAGE,
     KERNELS_LAYER_CACHE,
     KERNELS_BIND,
     TRANSFORMERS_LAZY_KERNELS,
@@ -415,11 +471,21 @@ def first_present(internal: Internal) -> str | None:
     """The first of ``internal.names`` present in the installed packages, or None."""
     for name in internal.names:
         try:
-            lookup(name)
+            found = lookup(name)
         except LookupError:
             continue
-        return name
+        return name if _takes(internal, found) else None
     return None
+
+
+def _takes(internal: Internal, method: Any) -> bool:
+    """Whether ``method`` has the parameter names after ``self`` that ``internal`` says (True when not said)."""
+    if internal.parameters is None:
+        return True
+    import inspect
+
+    names = tuple(inspect.signature(method).parameters)[1:]
+    return names == internal.parameters
 
 
 def probe() -> tuple[Found, ...]:
@@ -443,16 +509,22 @@ def resolve(internal: Internal) -> Any:
     """
     for name in internal.names:
         try:
-            return lookup(name)
+            found = lookup(name)
         except LookupError:
             continue
+        if _takes(internal, found):
+            return found
+        break
     if internal not in _told:
         _told.add(internal)
         from ._errors import warn_at_caller
 
         effect = internal.fallback or "cannot work"
+        names = ", ".join(internal.names)
+        if internal.parameters is not None:
+            names = f"{names} with parameters ({', '.join(internal.parameters)})"
         warn_at_caller(
-            f"kernelpolicy: {internal.used_for}: the installed packages have none of {', '.join(internal.names)}; "
+            f"kernelpolicy: {internal.used_for}: the installed packages have none of {names}; "
             f"kernelpolicy {effect}. Run `python -m kernelpolicy doctor` for what moved.",
             also_skip=("kernels", "transformers", "torch"),
         )
@@ -486,6 +558,20 @@ def kernel_function_of(forward: Any) -> Any:
     import inspect
 
     return inspect.getclosurevars(forward).nonlocals.get("func")
+
+
+def missing_attributes(objects: dict[str, Any]) -> bool:
+    """Whether an object of ``objects`` (:data:`BATCHING_ATTRIBUTES`' class name -> the object) lacks one of its
+    attributes there; the user is told once, as by :func:`resolve`."""
+    missing = [
+        f"{owner}.{name}"
+        for owner, obj in objects.items()
+        for name in BATCHING_ATTRIBUTES[owner]
+        if not hasattr(obj, name)
+    ]
+    if missing:
+        resolve(Internal(_BATCHING_USE, tuple(f"{_CB}: the attribute {name}" for name in missing), _BATCHING_FALLBACK))
+    return bool(missing)
 
 
 def all_present(internals: tuple[Internal, ...]) -> bool:

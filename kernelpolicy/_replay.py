@@ -161,7 +161,9 @@ class Replays:
             calls = self.frames.get(weakref.ref(frame))
             if calls is not None:
                 return calls.next(graph_task)
-        elif isinstance(torch._C._current_autograd_node(), torch.autograd.function.BackwardCFunction):
+        elif (node := _compat.resolve(_compat.AUTOGRAD_NODE)) is not None and isinstance(
+            node(), torch.autograd.function.BackwardCFunction
+        ):
             return self._reentrant(active, args, kwargs)
         # Calls the forward's cache let through unrecorded ran under the table of the last no_grad call.
         live = [calls.tables[-1] for calls in self.frames.values() if calls.tables]

@@ -162,7 +162,7 @@ def policy_aware(manager: Any, *, policies: Iterable[Policy | str] = ()) -> Any:
     if existing is not None:
         existing.policies = tuple(dict.fromkeys((*existing.policies, *wanted)))
         return manager
-    if not _compat.all_present(_compat.BATCHING) or not hasattr(manager, "input_queue"):
+    if not _compat.all_present(_compat.BATCHING) or _compat.missing_attributes({"ContinuousBatchingManager": manager}):
         return manager  # told once by _compat: the manager stays as transformers made it
     requests = _Requests(wanted, int(manager.model.config.get_text_config().vocab_size))
     setattr(manager, _MARK, requests)
@@ -457,9 +457,9 @@ def _salt_prefix_hashes(cache: Any, requests: _Requests) -> None:
         mark = allocator.mark_complete_blocks
 
         def mark_complete_blocks(
-            request_id: str, token_ids: list[int], new_blocks: int, mark: Callable[..., None] = mark
+            request_id: str, token_ids: list[int], new_new_blocks: int, mark: Callable[..., None] = mark
         ) -> None:
-            mark(request_id, requests.salted(request_id, token_ids), new_blocks)
+            mark(request_id, requests.salted(request_id, token_ids), new_new_blocks)
 
         allocator.mark_complete_blocks = mark_complete_blocks
 

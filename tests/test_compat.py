@@ -178,3 +178,13 @@ def test_pyproject_declares_the_supported_ranges() -> None:
     pyproject = (pathlib.Path(__file__).parents[1] / "pyproject.toml").read_text()
     for package, (low, high) in _compat.SUPPORTED.items():
         assert f'"{package}>={low},<{high}",' in pyproject
+
+
+def test_a_changed_signature_counts_as_missing_and_says_so() -> None:
+    moved = Internal("a method", ("torch.nn.Module.forward",), "the fallback", parameters=("x", "y"))
+    assert _compat.first_present(moved) is None
+    assert str(Found(moved, None)) == (
+        "a method: MISSING torch.nn.Module.forward with parameters (x, y); kernelpolicy falls back to the fallback"
+    )
+    with pytest.warns(UserWarning, match=r"none of torch\.nn\.Module\.forward with parameters \(x, y\)"):
+        assert _compat.resolve(moved) is None
