@@ -295,6 +295,12 @@ FUNCTORCH_CONFIG = Internal(_CONFIG_USE, ("torch._functorch.config",), "the doct
 AOTI_PACKAGE = Internal(
     "artifacts: AOTInductor packages of exported programs", ("torch._inductor.aoti_compile_and_package",)
 )
+AOTI_LOAD = Internal("artifacts: loading AOTInductor packages", ("torch._inductor.aoti_load_package",))
+CHECKPOINT_WRAPPER = Internal(
+    "kernelpolicy.training: the recomputations of torch.distributed's checkpoint_wrapper replay the policy",
+    ("torch.distributed.algorithms._checkpoint.checkpoint_wrapper.CheckpointWrapper",),
+    "attach leaves modules wrapped by checkpoint_wrapper as they are (their recomputations are not replayed)",
+)
 #: Not names to look up but attributes of objects other libraries make, which kernelpolicy reads: accelerate's
 #: hooks keep the forward they wrap in ``_old_forward`` (``_aware``); transformers' configs and model classes
 #: say the attention chosen and whether sdpa is supported (``_transformers``); and the instance attributes of
@@ -436,6 +442,8 @@ INTERNALS: tuple[Internal, ...] = (
     INDUCTOR_CONFIG,
     FUNCTORCH_CONFIG,
     AOTI_PACKAGE,
+    AOTI_LOAD,
+    CHECKPOINT_WRAPPER,
     KERNELS_LAYER_CACHE,
     KERNELS_BIND,
     TRANSFORMERS_LAZY_KERNELS,

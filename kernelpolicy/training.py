@@ -59,6 +59,7 @@ import torch
 from torch.compiler import is_dynamo_compiling as _is_dynamo
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
+from . import _compat
 from ._active import RECOMPUTED_WITH_GRAD, ensure_env, in_effect
 from ._attach import ATTACH_HOOKS
 from ._errors import RecomputationError
@@ -151,14 +152,13 @@ def replaying(checkpoint_fn: Callable[..., Any]) -> Callable[..., Any]:
 
 _TRANSFORMERS_FUNC = "_gradient_checkpointing_func"
 _TRANSFORMERS_SETTER = "_set_gradient_checkpointing"
-_WRAPPER_MODULE = "torch.distributed.algorithms._checkpoint.checkpoint_wrapper"
+_WRAPPER_MODULE = _compat.CHECKPOINT_WRAPPER.names[0].rpartition(".")[0]  # looked at only once imported
 
 
 def attach_checkpointing(model: nn.Module, options: Mapping[str, Any] | None = None) -> None:
     """Make the activation checkpointing of ``model`` replay the policy (an ``attach`` hook; see the module docstring)."""
     transformers = "transformers" in sys.modules
-    wrapper_module = sys.modules.get(_WRAPPER_MODULE)
-    wrapper = getattr(wrapper_module, "CheckpointWrapper", None)
+    wrapper = _compat.resolve(_compat.CHECKPOINT_WRAPPER) if _WRAPPER_MODULE in sys.modules else None
     if not transformers and wrapper is None:
         return  # neither exists unless imported
     for module in model.modules():

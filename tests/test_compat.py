@@ -180,6 +180,168 @@ def test_pyproject_declares_the_supported_ranges() -> None:
         assert f'"{package}>={low},<{high}",' in pyproject
 
 
+# --- every private name read outside _compat is in its table (issue 41, item 6) ------------------------------
+#
+# What counts as a read of a private name: a dotted path of torch, kernels, transformers or accelerate that a
+# module of kernelpolicy spells (an attribute chain from an imported module, a name imported with ``from``, a
+# string ``"torch...."``) and that has a component starting with ``_`` (dunders aside); and an underscore name
+# given as a string to ``getattr``/``hasattr``. A prefix of the path, through its last private component at
+# least, must be a name of ``_compat.INTERNALS`` (``torch._dynamo.config.x`` reads ``torch._dynamo.config``,
+# ``Module._call_impl.__code__`` reads ``Module._call_impl``; ``torch._dynamo.reset`` is a name of its own); a
+# table name may be read directly (the hot paths do). Attribute names must be ``_compat``'s attribute constants.
+# Not seen: ``obj._name`` on an object of unknown origin, and names held in variables.
+
+_NEIGHBOURS = ("torch", "kernels", "transformers", "accelerate")
+_TABLE = frozenset(name for internal in INTERNALS for name in internal.names)
+
+
+def _private(part: str) -> bool:
+    return part.startswith("_") and not (part.startswith("__") and part.endswith("__"))
+
+
+def _covered(read: str, table: frozenset[str]) -> bool:
+    """Whether a prefix of ``read`` through its last private component is a table name."""
+    parts = read.split(".")
+    last = max(i for i, part in enumerate(parts) if _private(part))
+    return any(".".join(parts[:end]) in table for end in range(last + 1, len(parts) + 1))
+
+
+def _private_reads(source: str) -> list[str]:
+    """The private paths of torch, kernels, transformers and accelerate that ``source`` reads, and the
+    underscore names it gives to ``getattr``/``hasattr`` (as ``(attribute) name``)."""
+    import ast
+
+    tree = ast.parse(source)
+    roots: dict[str, str] = {}
+    found: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] in _NEIGHBOURS:
+                    roots[alias.asname or alias.name.split(".")[0]] = (
+                        alias.name if alias.asname else alias.name.split(".")[0]
+                    )
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in _NEIGHBOURS:
+            for alias in node.names:
+                roots[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+                found.append(f"{node.module}.{alias.name}")
+    inner = {id(node.value) for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and id(node) not in inner:
+            chain, base = [], node
+            while isinstance(base, ast.Attribute):
+                chain.append(base.attr)
+                base = base.value
+            if isinstance(base, ast.Name) and base.id in roots:
+                found.append(".".join([roots[base.id], *reversed(chain)]))
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.split(".")[0] in _NEIGHBOURS:
+            found.append(node.value)
+        elif (
+            isinstance(node, ast.Call)
+            and getattr(node.func, "id", None) in ("getattr", "hasattr")
+            and len(node.args) > 1
+        ):
+            name = node.args[1]
+            if isinstance(name, ast.Constant) and isinstance(name.value, str) and _private(name.value):
+                found.append(f"(attribute) {name.value}")
+    return [read for read in found if read.startswith("(attribute) ") or any(map(_private, read.split(".")))]
+
+
+#: Underscore attributes kernelpolicy reads that are its own or Python's (namedtuple's), not a neighbour's.
+_OWN_ATTRIBUTES = {"_kernelpolicy_aware", "_kernelpolicy_original", "_fields"}
+
+
+def _uncovered(source: str, table: frozenset[str] = _TABLE) -> list[str]:
+    attributes = {_compat.ACCELERATE_WRAPPED, *_compat.TRANSFORMERS_ATTRIBUTES, *_OWN_ATTRIBUTES}
+    out = []
+    for read in _private_reads(source):
+        if read.startswith("(attribute) "):
+            if read.removeprefix("(attribute) ") not in attributes:
+                out.append(read)
+        elif not _covered(read, table):
+            out.append(read)
+    return sorted(out)
+
+
+def test_every_private_name_read_outside_compat_is_in_its_table() -> None:
+    package = pathlib.Path(kp.__file__).parent
+    uncovered = {
+        path.name: found
+        for path in sorted(package.glob("*.py"))
+        if path.name != "_compat.py" and (found := _uncovered(path.read_text()))
+    }
+    assert uncovered == {}
+
+
+def test_the_private_name_check_finds_what_the_issue_found() -> None:
+    """The reads issue 41 found outside the table, as they were written, are caught against the table without
+    their entries; a public name of a private module is a name read; what follows a table name is not."""
+    before = (
+        "import sys, torch\n"
+        "skip = getattr(sys.modules.get('torch._dynamo.eval_frame'), 'skip_code', None)\n"
+        "node = torch._C._current_autograd_node()\n"
+        "x = getattr(module, '_old_forward', None)\n"
+        "from torch._inductor import aoti_load_package\n"
+        "torch._dynamo.reset()\n"
+    )
+    old = _TABLE - {"torch._C._current_autograd_node", "torch._dynamo.eval_frame.skip_code", _compat.AOTI_LOAD.names[0]}
+    assert _uncovered(before, old) == [
+        "torch._C._current_autograd_node",
+        "torch._dynamo.eval_frame",
+        "torch._dynamo.reset",
+        "torch._inductor.aoti_load_package",
+    ]
+    assert _uncovered("x = getattr(module, '_some_hook', None)\n") == ["(attribute) _some_hook"]
+    fine = "import torch\nimport torch._dynamo\nc = torch._dynamo.config.caching_precompile\n"
+    fine += "n = torch.nn.modules.module.Module._call_impl.__code__.co_names\n"
+    assert _uncovered(fine) == []
+
+
+#: kernelpolicy.batching's wrapper of each method of ``_compat.BATCHING`` (``_handle_request_error``: not
+#: wrapped but called, with its parameters as positional arguments).
+_WRAPPERS = {
+    "_create_batch_processor": "create_batch_processor",
+    "_generation_step": "generation_step",
+    "warmup": "warm_up",
+    "_handle_request_error": None,
+}
+
+
+def test_batching_wrappers_take_the_parameters_of_the_methods_they_replace() -> None:
+    """Each wrapper kernelpolicy.batching installs takes the table's parameter names (after ``self``) of the
+    method it replaces, in order, or ``*args``; a method it calls gets them all; on this transformers the
+    methods have those names."""
+    import ast
+    import inspect
+
+    tree = ast.parse((pathlib.Path(kp.__file__).parent / "batching.py").read_text())
+    wrappers = {node.name: node for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)}
+    calls = {
+        node.func.attr: node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+    }
+    for internal in _compat.BATCHING:
+        assert internal.parameters is not None, internal.names[0]
+        method = internal.names[0].rsplit(".", 1)[-1]
+        wrapper_name = _WRAPPERS.get(method, method)
+        if wrapper_name is None:
+            assert len(calls[method].args) == len(internal.parameters) and not calls[method].keywords, method
+            continue
+        wrapper = wrappers[wrapper_name]
+        taken = tuple(arg.arg for arg in wrapper.args.args if arg.arg != "self")
+        without_defaults = taken[: len(taken) - len(wrapper.args.defaults)]
+        assert without_defaults == internal.parameters[: len(without_defaults)], (method, taken)
+        assert len(without_defaults) == len(internal.parameters) or wrapper.args.vararg is not None, (method, taken)
+    transformers = pytest.importorskip("transformers")
+    changed = [
+        f"{internal.names[0]}{inspect.signature(_compat.lookup(internal.names[0]))}"
+        for internal in _compat.BATCHING
+        if _compat.first_present(internal) is None
+    ]
+    assert not changed, f"transformers {transformers.__version__}: " + "; ".join(changed)
+
+
 def test_a_changed_signature_counts_as_missing_and_says_so() -> None:
     moved = Internal("a method", ("torch.nn.Module.forward",), "the fallback", parameters=("x", "y"))
     assert _compat.first_present(moved) is None
