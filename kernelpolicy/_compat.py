@@ -582,6 +582,13 @@ def missing_attributes(objects: dict[str, Any]) -> bool:
     return bool(missing)
 
 
+def missing_processor_attributes(processor: Any) -> bool:
+    """:func:`missing_attributes` of a batch processor, then of its scheduler and cache."""
+    return missing_attributes({"ContinuousBatchProcessor": processor}) or missing_attributes(
+        {"Scheduler": processor.scheduler, "PagedAttentionCache": processor.cache}
+    )
+
+
 def all_present(internals: tuple[Internal, ...]) -> bool:
     """Whether every entry of ``internals`` is present; the user is told once of each one that is not."""
     return all([resolve(internal) is not None for internal in internals])  # every one resolved: each is told

@@ -244,14 +244,15 @@ class _Rows:
 def _wrap_processor(processor: Any, requests: _Requests) -> None:
     if getattr(processor, _MARK, None) is requests:
         return  # the same processor, reset for a new run
+    if _compat.missing_processor_attributes(processor):
+        return  # told once by _compat: this processor's steps run under the policy in effect
     setattr(processor, _MARK, requests)
     _schedule_every_policy(processor.scheduler, requests)
     _salt_prefix_hashes(processor.cache, requests)
     rows = _Rows(processor, requests)
     ios = processor.inputs_and_outputs
     prepare, batch_update = ios.prepare_batch_tensors, ios.prepare_batch_update
-    step, warmup = processor._generation_step, processor.warmup
-    use_async = bool(getattr(processor, "use_async_batching", False))
+    step, warmup, use_async = processor._generation_step, processor.warmup, bool(processor.use_async_batching)
     failed: dict[str, Exception] = {}  # the requests a policy's error failed in the step that ran last
 
     def prepare_batch_tensors(

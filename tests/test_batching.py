@@ -8,6 +8,7 @@ under its policy.
 from __future__ import annotations
 
 import itertools
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -395,3 +396,65 @@ def test_a_kernel_that_raises_mid_step_fails_only_the_requests_that_ran_it(confi
         else:
             assert output.error is None and output.generated_tokens == tokens
     assert after.error is None and after.generated_tokens == expected[0]
+
+
+def test_the_batching_attributes_kernelpolicy_reads_are_on_a_real_manager(model: Any, config: Any) -> None:
+    """``_compat.BATCHING_ATTRIBUTES`` on this transformers' manager, processor, scheduler and cache."""
+    manager = model.init_continuous_batching(generation_config=config, continuous_batching_config=batching_config())
+    processor = manager._create_batch_processor()
+    assert getattr(processor, batching._MARK) is getattr(manager, batching._MARK)  # wrapped: nothing missing
+    objects = {
+        "ContinuousBatchingManager": manager,
+        "ContinuousBatchProcessor": processor,
+        "Scheduler": processor.scheduler,
+        "PagedAttentionCache": processor.cache,
+    }
+    missing = [
+        f"{owner}.{name}"
+        for owner, names in kp._compat.BATCHING_ATTRIBUTES.items()
+        for name in names
+        if not hasattr(objects[owner], name)
+    ]
+    assert missing == [], f"transformers {transformers.__version__}"
+
+
+def _unwrapped_manager(model: Any, config: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
+    init = ContinuousBatchingManager.__init__
+    monkeypatch.setattr(ContinuousBatchingManager, "__init__", init.__wrapped__)  # type: ignore[attr-defined]
+    manager = model.init_continuous_batching(generation_config=config, continuous_batching_config=batching_config())
+    monkeypatch.setattr(ContinuousBatchingManager, "__init__", init)
+    monkeypatch.setattr(kp._compat, "_told", set())  # each missing name is told once per process
+    return manager
+
+
+def test_a_manager_without_its_input_queue_is_left_as_it_is_and_the_user_is_told(
+    model: Any, config: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    manager = _unwrapped_manager(model, config, monkeypatch)
+    manager.request_queue = manager.__dict__.pop("input_queue")  # as a release that renamed it
+    create = manager._create_batch_processor
+    with pytest.warns(UserWarning, match=r"the attribute ContinuousBatchingManager\.input_queue.*leaves the manager"):
+        assert batching.policy_aware(manager) is manager
+    assert not hasattr(manager, batching._MARK) and manager._create_batch_processor == create
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert batching.policy_aware(manager) is manager  # told once
+
+
+def test_a_processor_without_use_async_batching_is_left_as_it_is_and_the_user_is_told(
+    model: Any, config: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Was read with ``getattr(..., False)``: a rename silently took the synchronous error handling."""
+    manager = _unwrapped_manager(model, config, monkeypatch)
+    create = manager._create_batch_processor
+
+    def renamed() -> Any:
+        processor = create()
+        processor.async_batching = processor.__dict__.pop("use_async_batching")
+        return processor
+
+    manager._create_batch_processor = renamed
+    batching.policy_aware(manager)
+    with pytest.warns(UserWarning, match=r"ContinuousBatchProcessor\.use_async_batching.*leaves the manager"):
+        processor = manager._create_batch_processor()
+    assert not hasattr(processor, batching._MARK) and "_generation_step" not in vars(processor)
