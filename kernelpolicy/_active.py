@@ -248,7 +248,8 @@ _KNOWN_VARIANTS: dict[str, set[str]] = {}
 
 
 def register_variant(layer_name: str, variant: str) -> None:
-    """Record that a kernel variant ``variant`` is bound for ``layer_name`` somewhere in this process."""
+    """Record that a kernel variant ``variant`` is bound for ``layer_name`` somewhere in this process (or that
+    programs loaded here were saved with it: ``artifacts.load_per_policy``)."""
     with _INTERN_LOCK:
         _KNOWN_VARIANTS.setdefault(layer_name, set()).add(variant)
 

@@ -44,7 +44,7 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, Literal
 
-from ._active import current_policy, layer_facts
+from ._active import current_policy, layer_facts, register_variant
 from ._binding import Binding
 from ._errors import ArtifactPolicyError
 from ._explain import ROW_SOURCES, _marked
@@ -375,7 +375,28 @@ def load_per_policy(directory: str | Path, *, model: nn.Module | None = None) ->
         return torch.export.load(path).module()
 
     programs = {policy: load(path) for policy, path in manifest.programs.items()}
+    _register_variants(manifest.programs, manifest.layers)
     return PolicyPrograms(programs, str(folder), kind, manifest.layers)
+
+
+def _register_variants(policies: Iterable[Policy], layers: Mapping[str, Layer]) -> None:
+    """Make the kernel variants the programs were saved with known here, so a scope can choose their programs.
+
+    A scope checks that each variant it names is bound in the process (``_scope.check_variants``); a process
+    that loads programs binds none, yet ``kernel_policy(RMSNorm="kernel:fast")`` is how it picks the program
+    saved under that variant. The variants are the ones the manifest names: in the programs' policies (checked
+    when they were saved) and in the paths of each layer.
+    """
+    for policy in policies:
+        for layer_name, names in policy.variant_entries:
+            for name in names:
+                if name != DEFAULT_VARIANT:
+                    register_variant(layer_name, name)
+    for layer in layers.values():
+        for entry in layer.paths:
+            name = entry.removeprefix(VARIANTS)
+            if entry.startswith(VARIANTS) and name != DEFAULT_VARIANT:
+                register_variant(layer.layer_name, name)
 
 
 def _check_torch(folder: Path, kind: str, saved: str, running: str) -> None:

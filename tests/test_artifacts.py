@@ -110,6 +110,70 @@ def test_a_policy_on_another_path_is_refused_naming_the_layer(kernelized: Callab
         programs(X)
 
 
+VARIANT_LOADER = """
+import json, os, sys, torch
+import kernelpolicy as kp
+from kernelpolicy.artifacts import NoProgramError, load_per_policy
+
+programs = load_per_policy(sys.argv[1])  # this process binds no kernel, no variant
+seen = {"no scope": programs(torch.ones(2, 16)).mean().item()}
+for text in ("RMSNorm=kernel:fast", "RMSNorm=kernel:fast|default", "disable", "RMSNorm=kernel:slow"):
+    try:
+        with kp.kernel_policy(kp.Policy.parse(text)):
+            seen[text] = programs(torch.ones(2, 16)).mean().item()
+    except (kp.PolicyError, NoProgramError) as error:
+        seen[text] = f"{type(error).__name__}: {error}"
+print(json.dumps(seen))
+"""
+
+
+def test_a_loading_process_chooses_a_variants_program_with_a_scope(tmp_path: Path) -> None:
+    """Issue 41, item 12: the variants of the saved programs are known where they are loaded, so a scope naming
+    one chooses its program there (was: PolicyError, variant not bound; only KERNELPOLICY reached it)."""
+    import os
+
+    from _helpers import NormPair
+
+    from kernelpolicy.testing import kernelize_locally, local_mapping, rms_norm_kernel_source, write_kernel_repo
+
+    repos = {
+        name: write_kernel_repo(
+            tmp_path / name, rms_norm_kernel_source(offset=offset, can_torch_compile=True), name=f"norm-{name}"
+        )
+        for name, offset in (("default", 100.0), ("fast", 200.0))
+    }
+    model = kernelize_locally(NormPair().eval(), {"RMSNorm": repos["default"]})
+    with local_mapping({"RMSNorm": repos["fast"]}, inherit=False):
+        kp.kernelize(model, mode="inference", device="cpu", variant="fast")
+    folder = tmp_path / "programs"
+    export_per_policy(model, (torch.ones(2, 16),), policies=["prefer", "RMSNorm=kernel:fast"], directory=folder)
+
+    def load(env: dict[str, str]) -> dict[str, Any]:
+        done = subprocess.run(
+            [sys.executable, "-c", textwrap.dedent(VARIANT_LOADER), str(folder)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+            env={**os.environ, **env},
+        )
+        assert done.returncode == 0, done.stderr
+        seen: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+        return seen
+
+    seen = load({})
+    # NormPair's output is 2 + 2 * the offset of the kernel that ran
+    assert seen["no scope"] == pytest.approx(202.0) and seen["RMSNorm=kernel:fast"] == pytest.approx(402.0)
+    assert seen["RMSNorm=kernel:fast|default"] == pytest.approx(402.0)  # the same path: the same program
+    assert seen["disable"].startswith("NoProgramError: kernelpolicy: no exported program for the policy in effect")
+    # a variant the programs were not saved with is still refused by the scope, naming it
+    assert seen["RMSNorm=kernel:slow"].startswith("PolicyError: kernel_policy: no kernel variant 'slow' is bound")
+    assert "bound: 'fast'" in seen["RMSNorm=kernel:slow"]
+    # KERNELPOLICY reached the variant's program before too; a scope still overrides it
+    by_env = load({"KERNELPOLICY": "RMSNorm=kernel:fast"})
+    assert by_env["no scope"] == pytest.approx(402.0) == by_env["RMSNorm=kernel:fast"]
+
+
 def test_loading_a_folder_without_a_manifest_says_what_to_do(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match=r"has no kernelpolicy-programs\.json; save programs with"):
         load_per_policy(tmp_path)
