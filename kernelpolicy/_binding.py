@@ -21,6 +21,7 @@ from torch.compiler import is_dynamo_compiling as _is_dynamo
 
 from . import _state
 from ._active import MIXED, RECORD_SUFFIX, RECORDERS, in_effect, register_layer_name
+from ._called import called_name
 from ._compat import DYNAMO_DISABLE_MARK, kernel_repository
 from ._dispatch import (
     DISABLED,
@@ -575,7 +576,7 @@ class Binding:
         )
         if mismatch is not None:
             error = KernelMismatchError(
-                module_name=self.module_name,
+                module_name=called_name(self.module, self.module_name),
                 layer_name=self.layer_name,
                 module_class=self.module_class,
                 where=mismatch.where,
@@ -595,9 +596,8 @@ class Binding:
 
     def error(self, reason: str) -> KernelUnavailableError:
         cls = OriginalUnavailableError if reason == self.no_original else KernelUnavailableError
-        return cls(
-            module_name=self.module_name, layer_name=self.layer_name, module_class=self.module_class, reason=reason
-        )
+        name = called_name(self.module, self.module_name)
+        return cls(module_name=name, layer_name=self.layer_name, module_class=self.module_class, reason=reason)
 
     def _log_fallback(self, reason: str) -> None:
         """Log once per reason that the original ran instead of the bound kernel.

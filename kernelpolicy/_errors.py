@@ -106,8 +106,8 @@ class RecomputationError(RuntimeError):
 class KernelUnavailableError(RuntimeError):
     """``require`` is in effect for a layer whose kernel cannot run now.
 
-    Attributes name the module (``module_name``, its qualified name in the model, when known),
-    the kernel layer name, the module class and the reason.
+    Attributes name the module (``module_name``: its path in the model being called, else the name it was
+    attached under, when known; see ``_called``), the kernel layer name, the module class and the reason.
     """
 
     __module__ = "kernelpolicy"

@@ -173,3 +173,26 @@ def test_explain_says_what_a_forward_assigned_by_hand_is() -> None:
     assert by_hand in str(kp.explain(model))
     del model[0].forward  # the class's own forward again: no kernel, nothing to say
     assert kp.explain(model).rows[0].reason == "no kernel bound"
+
+
+def test_errors_name_a_module_by_its_path_in_the_model_called(kernelized: Callable[..., DemoModel]) -> None:
+    """Issue 41, item 13: both models name a ``blocks.0.1``; an error names it from the composite called
+    (was: the name it was attached under, the same for both)."""
+    parent = _Composed(kernelized("traceable"), kp.attach(DemoModel(16).eval()))  # b has no kernel bound
+    x = torch.randn(2, 16)
+    with kp.kernel_policy("require"), pytest.raises(kp.KernelUnavailableError) as raised:
+        parent(x)
+    assert raised.value.module_name == "b.blocks.0.1" and "module 'b.blocks.0.1'" in str(raised.value)
+    with kp.kernel_policy("require"), pytest.raises(kp.KernelUnavailableError) as raised:
+        parent.b(x)  # the model called is b: its own path
+    assert raised.value.module_name == "blocks.0.1"
+    with kp.kernel_policy("require"), pytest.raises(kp.KernelUnavailableError) as raised:
+        parent.b.norm(x)  # a layer called alone keeps the name it was attached under
+    assert raised.value.module_name == "norm"
+    with kp.kernel_policy("verify"), pytest.raises(kp.KernelMismatchError) as mismatch:
+        parent(x)  # a's kernel adds 100
+    assert mismatch.value.module_name == "a.blocks.0.1" and "module 'a.blocks.0.1'" in str(mismatch.value)
+    compiled = torch.compile(parent, backend="eager")  # raised at run time after the graph break
+    with kp.kernel_policy("require"), pytest.raises(kp.KernelUnavailableError) as raised:
+        compiled(x)
+    assert raised.value.module_name == "b.blocks.0.1"  # not under the wrapper's _orig_mod
