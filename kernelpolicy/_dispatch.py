@@ -218,7 +218,7 @@ _BODIES: dict[str, str] = {
         active = DEFAULTS.active._current
         if _is_dynamo():
             active = in_effect()
-            out = slow("require", {pack}) if {required} else (original(self, {call}) if type(self).forward is own else type(self).forward(self, {call}))
+            out = slow("require", {pack}) if {required} else (original(self, {call}) if persisting() or type(self).forward is own else type(self).forward(self, {call}))
             return checked(out, active, {name}, "r") if persisting() else out
         mode = {lookup}
         if mode == "prefer" or mode == "disable":
@@ -230,7 +230,7 @@ _BODIES: dict[str, str] = {
             active = in_effect()
             if {kernel_on} == "mixed":
                 return mixed({pack})
-            out = kernel(self, {call}) if {kernel_on} else (original(self, {call}) if type(self).forward is own else type(self).forward(self, {call}))
+            out = kernel(self, {call}) if {kernel_on} else (original(self, {call}) if persisting() or type(self).forward is own else type(self).forward(self, {call}))
             return checked(out, active, {name}, "k") if persisting() else out
         mode = {lookup}
         if active is not last:
@@ -260,7 +260,7 @@ _BODIES: dict[str, str] = {
             elif not traceable and {required}:
                 out = slow("require", {pack})
             else:
-                out = (original(self, {call}) if type(self).forward is own else type(self).forward(self, {call}))
+                out = (original(self, {call}) if persisting() or type(self).forward is own else type(self).forward(self, {call}))
             return checked(out, active, {name}, "kr") if persisting() else out
         mode = {lookup}
         if active is not last or (not has_backward and _grad()):
@@ -287,7 +287,7 @@ _BODIES: dict[str, str] = {
             active = in_effect()
             if {kernel_on} == "mixed":
                 return mixed({pack})
-            out = slow(KERNEL_ON, {pack}) if {kernel_on} else (original(self, {call}) if type(self).forward is own else type(self).forward(self, {call}))
+            out = slow(KERNEL_ON, {pack}) if {kernel_on} else (original(self, {call}) if persisting() or type(self).forward is own else type(self).forward(self, {call}))
             return checked(out, active, {name}, "krv") if persisting() else out
         mode = {lookup}
         if active is not last or (not has_backward and _grad()):
@@ -361,7 +361,7 @@ def forward_source(variant: str, function: Callable[..., Any], layer_name: str) 
             active = DEFAULTS.active._current
             if _is_dynamo():
                 active = in_effect()
-                out = slow("require", (x, ), {}) if active.required.Double else (original(self, x) if type(self).forward is own else type(self).forward(self, x))
+                out = slow("require", (x, ), {}) if active.required.Double else (original(self, x) if persisting() or type(self).forward is own else type(self).forward(self, x))
                 return checked(out, active, 'Double', "r") if persisting() else out
             mode = active.modes.Double
             if mode == "prefer" or mode == "disable":

@@ -324,7 +324,9 @@ def test_caching_precompile_loaded_elsewhere_runs_each_policy_or_refuses(
         pytest.skip(f"torch {torch.__version__} has no caching precompile")
     env = {"TORCH_CACHING_PRECOMPILE": "1", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache")}
     seen = _in_processes(PRECOMPILE, kernel_repos["traceable"], tmp_path, env)
-    if seen.get("failed") == "compile" and "ArtifactPolicyError" not in seen["stderr"]:
+    # Passed on torch 2.13 to 2.15 (issue 26), so there a compile that fails is a defect (issue 41, item 5: a class
+    # guard of the class-patch check could not be serialized), never a skip; older releases fail in Dynamo itself.
+    if seen.get("failed") == "compile" and torch.__version__ < "2.13":
         pytest.skip(f"torch {torch.__version__} cannot compile this model with caching precompile on: {seen['stderr']}")
     assert "failed" not in seen, seen
     assert seen["compiling prefer"] == pytest.approx(seen["eager prefer"], abs=1e-3)
@@ -435,6 +437,25 @@ def test_a_persisted_program_checks_each_layer_name_once_per_graph(
             pytest.skip(f"torch {torch.__version__} cannot compile with caching precompile: {error!r}"[:400])
         torch.testing.assert_close(out, expected)
         assert checks == [1, 1]  # a and b share one check; c, after the break, has its own
+
+
+def test_caching_precompile_serializes_the_guards_of_every_policys_program(
+    kernelized: Callable[..., DemoModel], fresh_dynamo: None
+) -> None:
+    """Issue 41, item 5: with strict_precompile, a guard that cannot be saved raises instead of a warning: every
+    policy's program compiles (was: the class-patch check's CLASS_MATCH guard on a layer's class, traced on the
+    original's path only, failed each policy that disables a kernel layer)."""
+    import torch._dynamo.config
+
+    config = torch._dynamo.config
+    if not hasattr(config, "strict_precompile") or torch.__version__ < "2.13":
+        pytest.skip(f"torch {torch.__version__}: caching precompile of this model is tested from 2.13 (see above)")
+    model = kernelized("traceable")
+    with config.patch(caching_precompile=True, strict_precompile=True):
+        compiled = torch.compile(model, backend="eager")
+        for text in ("prefer", "disable", "prefer,RMSNorm=disable"):
+            with kp.kernel_policy(kp.Policy.parse(text)):
+                torch.testing.assert_close(compiled(X), model(X))
 
 
 GRAPH_CACHES = """
