@@ -5,7 +5,7 @@ attached separately, then composed in one parent, both have a ``blocks.0.norm``:
 called, that name does not say which one failed. So an error raised in a call (``KernelUnavailableError``,
 ``KernelMismatchError``) names the module by its path in the model called: the outermost module whose
 method is running on this thread's stack (``self`` of a frame) and that has the module among its
-``named_modules``; torch.compile's wrapper of a model is looked through (its path prefix is torch's). Found
+``named_modules``; torch's wrappers of a model (torch.compile, non-strict export) are looked through. Found
 when the error is made, never on a call that does not raise. The attached name stays where no module on the
 stack holds it, or where it is itself the model called (a layer called alone).
 """
@@ -17,8 +17,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-
-from ._compat import COMPILED_MODULE, first_present, lookup
 
 if TYPE_CHECKING:
     import types
@@ -55,24 +53,22 @@ def _walk(module: nn.Module, attached: str | None) -> str | None:
 
 
 def _calling_modules(frame: types.FrameType | None) -> list[nn.Module]:
-    """The modules whose methods run on the stack from ``frame`` out, outermost first, each once, unwrapped."""
-    wrapper = _compiled_wrapper()
+    """The modules whose methods run on the stack from ``frame`` out, outermost first, each once.
+
+    A wrapper is left out: a module whose one child, registered under a private name, runs on the stack too
+    (torch.compile's ``_orig_mod``, non-strict ``torch.export``'s ``_export_root``): its path prefix is torch's.
+    """
     modules: list[nn.Module] = []
     while frame is not None:
         code = frame.f_code
         if code.co_argcount and code.co_varnames[0] == "self":
             self = frame.f_locals.get("self")
-            wrapped = wrapper is not None and isinstance(self, wrapper)
-            if isinstance(self, nn.Module) and not wrapped and all(self is not seen for seen in modules):
+            if isinstance(self, nn.Module) and all(self is not seen for seen in modules):
                 modules.append(self)
         frame = frame.f_back
-    return modules[::-1]
+    return [module for module in modules[::-1] if not _wraps(module, modules)]
 
 
-def _compiled_wrapper() -> type | None:
-    """torch.compile's module wrapper class, if TorchDynamo is loaded (no wrapper exists before it is)."""
-    if "torch._dynamo" not in sys.modules:
-        return None
-    name = first_present(COMPILED_MODULE)
-    found = None if name is None else lookup(name)
-    return found if isinstance(found, type) else None
+def _wraps(module: nn.Module, running: list[nn.Module]) -> bool:
+    children = list(module.named_children())
+    return len(children) == 1 and children[0][0].startswith("_") and any(children[0][1] is m for m in running)

@@ -253,11 +253,6 @@ TRACING_CONTEXT = Internal(
     ("torch._guards.TracingContext.try_get",),
     "a persisted program checks the policy after every policy-aware layer (about 5 us each)",
 )
-COMPILED_MODULE = Internal(
-    "errors name a module by its path in the model called, looking through torch.compile's wrapper",
-    ("torch._dynamo.eval_frame.OptimizedModule",),
-    "a module called through torch.compile(model) is named by its path under the wrapper (_orig_mod.)",
-)
 DYNAMO_COUNTERS = Internal("doctor and tests count graph breaks", ("torch._dynamo.utils.counters",))
 FUNCTORCH_STACK = Internal(
     "verify: whether a torch.func transform (vmap, grad, ...) runs the call",
@@ -436,7 +431,6 @@ INTERNALS: tuple[Internal, ...] = (
     GRAPH_BREAK,
     SKIP_FRAME,
     TRACING_CONTEXT,
-    COMPILED_MODULE,
     DYNAMO_COUNTERS,
     FUNCTORCH_STACK,
     GRAPH_TASK_ID,
