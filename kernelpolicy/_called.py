@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from ._compat import DYNAMO_CONFIG
+
 if TYPE_CHECKING:
     import types
     from collections.abc import Callable
@@ -32,7 +34,7 @@ def called_name(module: nn.Module, attached: str | None) -> str | None:
     made at run time after a graph break would otherwise have this frame compiled, and Dynamo cannot trace
     the walk.
     """
-    if "torch._dynamo" not in sys.modules:
+    if DYNAMO_CONFIG.names[0] not in sys.modules:  # TorchDynamo not loaded (its config is, whenever it is)
         return _walk(module, attached)
     if not _DISABLED:
         compiler: Any = torch.compiler  # disable: untyped in some torch releases (mypy strict on each)
