@@ -109,8 +109,10 @@ class Active:
     is ``require``): read under TorchDynamo, where they are all a traced
     program depends on, so policies that spell one program differently share
     its compiled graph (see ``_dispatch``). ``policy`` is the value the
-    public API returns; recording is not part of it. ``name`` is unique in the process (:func:`named`
-    finds the object): traced code reads it as a constant where an object cannot be passed on.
+    public API returns; recording is not part of it. ``name`` stands for the table's value: tables of one
+    (policy, recording) share it for the life of the process, also once the first is gone (:func:`named`
+    finds an equal table): traced code reads it as a constant where an object cannot be passed on, and
+    TorchDynamo guards it by value, so an equal table made later passes the guard.
 
     ``mix`` is None, except in the table of a mixed step (:func:`activate_mixed`): there it holds the step's
     policies and rows (a ``_mixing.Members``), ``policy`` is the first of them, and each layer whose entries
@@ -142,7 +144,12 @@ class Active:
 
 _INTERNED: weakref.WeakValueDictionary[tuple[Policy, bool], Active] = weakref.WeakValueDictionary()
 _INTERN_LOCK = threading.Lock()
-_NAMED: weakref.WeakValueDictionary[str, Active] = weakref.WeakValueDictionary()
+#: Each (policy, recording) value's table name, and back: a table's name is its value's (see :class:`Active`).
+#: Held for good, one entry per value (not per table): a name must not change while programs guard on it.
+_NAMES: dict[tuple[Policy, bool], str] = {}
+_VALUES: dict[str, tuple[Policy, bool]] = {}
+#: The tables of mixed steps by name (unique per table: a mixed table is not a plain one of its first policy).
+_NAMED_MIXED: weakref.WeakValueDictionary[str, Active] = weakref.WeakValueDictionary()
 _COUNT = itertools.count()
 _KNOWN_LAYERS: set[str] = set()
 
@@ -189,15 +196,21 @@ def _new(policy: Policy, recording: bool, mix: Any = None) -> Active:
     active.recording = recording
     active.mix = mix
     active.modes, active.kernel_on, active.required, active.variants = _Entries(), _Entries(), _Entries(), _Entries()
-    active.name = f"table{next(_COUNT)}"
-    _NAMED[active.name] = active
+    if mix is None:
+        key = (policy, recording)
+        active.name = _NAMES.get(key) or _NAMES.setdefault(key, f"table{next(_COUNT)}")
+        _VALUES[active.name] = key
+    else:
+        active.name = f"mixed{next(_COUNT)}"
+        _NAMED_MIXED[active.name] = active
     _fill(active, _KNOWN_LAYERS)
     return active
 
 
 def named(name: str) -> Active:
-    """The :class:`Active` whose ``name`` is ``name`` (it must be alive)."""
-    return _NAMED[name]
+    """A table whose ``name`` is ``name``: the interned one of its value, or the mixed table (it must be alive)."""
+    value = _VALUES.get(name)
+    return _NAMED_MIXED[name] if value is None else activate(*value)
 
 
 def activate(policy: Policy, recording: bool = False) -> Active:

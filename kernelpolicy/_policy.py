@@ -19,6 +19,7 @@ that says which policy is in effect, are in ``_active``.
 
 from __future__ import annotations
 
+import ast
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Final, Literal, NamedTuple, cast, final
 
@@ -39,6 +40,8 @@ __all__ = [
     "Policy",
     "PolicyMode",
     "check_entry",
+    "from_text",
+    "options_text",
     "variant_names",
 ]
 
@@ -273,9 +276,10 @@ class Policy:
 
     __module__ = "kernelpolicy"  # the public name (see kernelpolicy/__init__.py)
 
-    __slots__ = ("_hash", "_key", "_modes", "_names_variants", "_variants")
+    __slots__ = ("_hash", "_key", "_modes", "_names_variants", "_options_text", "_variants")
 
     _key: _Key
+    _options_text: str  # options_text(options); traced code passes it on (see _traced._value)
     _modes: dict[str, str]
     _hash: int
     _variants: tuple[tuple[str, tuple[str, ...]], ...]  # (layer, variant names) of the variant entries
@@ -494,11 +498,27 @@ def _make(default: PolicyMode, layers: Mapping[str, object], options: PolicyOpti
     object.__setattr__(policy, "_key", key)
     object.__setattr__(policy, "_modes", modes)
     object.__setattr__(policy, "_hash", hash(key))
+    object.__setattr__(policy, "_options_text", "" if options is NO_OPTIONS else options_text(options._asdict()))
     variants = tuple((name, variant_names(entry)) for name, entry in modes.items() if entry.startswith(VARIANTS))
     object.__setattr__(policy, "_variants", variants)
     named = options.reference not in (None, "original", DEFAULT_VARIANT)
     object.__setattr__(policy, "_names_variants", bool(variants) or named)
     return policy
+
+
+def options_text(options: Mapping[str, object]) -> str:
+    """Checked options as text that :func:`from_text` reads back ("" for none; those equal to the default dropped).
+
+    Code TorchDynamo traces passes options on as this string: a number read from an argument may become a
+    symbol when it changes, a string never does.
+    """
+    given = [(name, value) for name, value in options.items() if value != getattr(NO_OPTIONS, name)]
+    return repr(tuple(sorted(given))) if given else ""
+
+
+def from_text(text: str) -> dict[str, object]:
+    """The options :func:`options_text` wrote (checked again by whoever takes them)."""
+    return dict(ast.literal_eval(text)) if text else {}
 
 
 def _restore(default: object, layers: object, options: object) -> Policy:

@@ -63,6 +63,7 @@ from ._policy import (
     check_entry,
     check_layer_name,
     check_mode,
+    options_text,
     split_options,
 )
 
@@ -189,7 +190,8 @@ class kernel_policy:  # noqa: N801 - lowercase like numpy.errstate and decimal.l
         self._made: tuple[object, dict[str, Any]] | None = (mode, layers) if traced.compiling() else None  # see _traced
         if self._made is not None:
             return
-        self._fixed, self._mode, self._layers, self._options = _validated(mode, layers)
+        self._fixed, self._mode, self._layers, options = _validated(mode, layers)
+        self._options = (options, options_text(options))  # the text: what traced code reads (see _traced)
         self._cache: dict[Active, Active] = {}
 
     def entered(self, enclosing: Active) -> Active:
@@ -208,7 +210,7 @@ class kernel_policy:  # noqa: N801 - lowercase like numpy.errstate and decimal.l
         if found is None:
             policy = self._fixed
             if policy is None:
-                policy = enclosing.policy.overlay(self._mode, self._layers, self._options)
+                policy = enclosing.policy.overlay(self._mode, self._layers, self._options[0])
             found = activate(policy, enclosing.recording if self._recording is None else self._recording)
             if len(self._cache) >= _CACHE_LIMIT:
                 self._cache.clear()
@@ -217,13 +219,14 @@ class kernel_policy:  # noqa: N801 - lowercase like numpy.errstate and decimal.l
 
     def __enter__(self) -> Policy:
         if traced.compiling():
-            return traced.enter(self, None if self._made is None else (kernel_policy, *self._made))
+            return traced.enter(self)
         return self._enter_here()
 
     def _enter_here(self) -> Policy:
         """Enter in this context, as eager code does (also a generator's: see :meth:`_wrap_generator`)."""
         if self._made is not None:  # made while TorchDynamo traced, entered eagerly (a graph break)
-            self._fixed, self._mode, self._layers, self._options = _validated(*self._made)
+            self._fixed, self._mode, self._layers, options = _validated(*self._made)
+            self._options = (options, options_text(options))
             self._cache, self._made = {}, None
         active = self.entered(DEFAULTS.active._current)
         token = _SCOPED.set(active)
@@ -272,11 +275,9 @@ class kernel_policy:  # noqa: N801 - lowercase like numpy.errstate and decimal.l
         if inspect.isgeneratorfunction(fn):
             return cast("F", self._wrap_generator(fn))
 
-        name = traced.name_of(self)
-
         @functools.wraps(fn)
         def sync_wrapper(*args: Any, **kwargs: Any) -> Any:
-            with traced.Entered(self, name) if traced.compiling() else self:
+            with traced.Entered(self) if traced.compiling() else self:
                 return fn(*args, **kwargs)
 
         return cast("F", sync_wrapper)
@@ -383,7 +384,7 @@ class kernel_policy:  # noqa: N801 - lowercase like numpy.errstate and decimal.l
             return f"kernel_policy({self._fixed!r})"
         args = [repr(self._mode)] if self._mode is not None else []
         args += [f"{name}={mode!r}" for name, mode in self._layers.items()]
-        args += [f"{name}={value!r}" for name, value in self._options.items()]
+        args += [f"{name}={value!r}" for name, value in self._options[0].items()]
         return f"kernel_policy({', '.join(args)})"
 
 

@@ -13,10 +13,11 @@ What the scope puts in effect is resolved while tracing, by :func:`_resolved_nam
 its arguments are exactly what the program must be guarded on:
 
 - the name of the table in effect where the region began (``Active.name``, read from the table the
-  forwards read, so guarded with it);
-- for each scope entered since, its arguments (``kernel_policy("disable")`` made in the region: constants
-  of the traced code), its name (a decorator's scope, :func:`name_of`, captured by the wrapper), or the
-  scope object itself (one made outside the region, guarded on identity; a scope never changes once made).
+  forwards read, so guarded with it; one name per policy value, see ``_active.Active``);
+- for each scope entered since, what it was made with, read from the scope (:func:`_value`): constants of
+  the traced code for one made in the region, guarded attribute values for one made outside it (a module
+  constant, a decorator's scope, one passed as an argument), a policy by its key. So equal policies and
+  equal scopes share a program, and nothing is registered per scope.
 
 The traced code then reads the resulting table as an attribute of :data:`_RESOLVED` (a module global),
 which TorchDynamo guards as it guards any object read from a global. A scope that cannot be entered (bad
@@ -35,19 +36,19 @@ a context manager it traced), so the eager scope holds there.
 from __future__ import annotations
 
 import sys
-import threading
 from typing import TYPE_CHECKING, Any, Final, Protocol, final
 
 from ._active import DEFAULTS, Active, TracedFrame, named
 from ._compat import DYNAMO_CONSTANT_MARK
 from ._errors import ScopeError
+from ._policy import Policy, from_text
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from ._policy import Policy
+    from ._policy import PolicyMode
 
-__all__ = ["Entered", "async_generator_reached", "compiling", "enter", "exit", "generator_reached", "name_of"]
+__all__ = ["Entered", "async_generator_reached", "compiling", "enter", "exit", "generator_reached"]
 
 
 def _compiling() -> bool:
@@ -68,26 +69,48 @@ compiling: Callable[[], bool] = _compiling
 
 
 class _Enterable(Protocol):
+    """A scope as :func:`enter` reads it: ``kernel_policy``'s state (arguments, internal switches)."""
+
+    _made: tuple[object, dict[str, Any]] | None
+    _fixed: Policy | None
+    _mode: PolicyMode | None
+    _layers: dict[str, str]
+    _options: tuple[dict[str, object], str]  # the checked options and their options_text
+    _recording: bool | None
+    _deferred: bool
+
     def entered(self, enclosing: Active) -> Active: ...
 
 
-def enter(scope: _Enterable, made: tuple[Any, ...] | None, name: str | None = None) -> Policy:
-    """Enter ``scope`` while tracing; return the policy it puts in effect (``__enter__``'s value).
-
-    ``made``: ``(kernel_policy, mode, layers)`` for a scope made in the region (its arguments), else None;
-    ``name``: the scope's name where it has one (:func:`name_of`).
-    """
+def enter(scope: _Enterable) -> Policy:
+    """Enter ``scope`` while tracing; return the policy it puts in effect (``__enter__``'s value)."""
     frame = DEFAULTS.traced
     chain = (DEFAULTS.active._current.name,) if frame is None else frame.chain
-    chain = (*chain, *(made if made is not None else (scope if name is None else name, None, None)))
-    resolved = _resolved_name(*chain)
+    resolved = _resolved_name(*chain, *_value(scope))
     if resolved.startswith(_REFUSED):
         # As require's failure (see _binding): fullgraph=True fails with this message; otherwise the frame
         # runs eagerly, where entering the scope raises the error itself.
         sys.modules["torch"]._dynamo.graph_break(msg=resolved[len(_REFUSED) :])
     active: Active = getattr(_RESOLVED, resolved)
-    DEFAULTS.traced = TracedFrame(scope, active, frame, chain)
+    DEFAULTS.traced = TracedFrame(scope, active, frame, (*chain, *_value(scope)))
     return active.policy
+
+
+def _value(scope: _Enterable) -> tuple[Any, ...]:
+    """What entering ``scope`` depends on, as constants: (its class, mode, layers, options, recording, deferred).
+
+    Read where TorchDynamo traces, so each read is guarded by value: equal scopes pass one program's guards,
+    whether made in the region, outside it or per call. A :class:`~kernelpolicy.Policy` is given by its value,
+    options by their text (``_policy.options_text``).
+    """
+    if scope._made is not None:
+        (mode, layers), options = scope._made, ""
+    else:
+        mode, layers = scope._mode if scope._fixed is None else scope._fixed, scope._layers
+        options = scope._options[1]
+    if isinstance(mode, Policy):
+        mode = (_KEY, mode._key.default, mode._key.layers, mode._options_text)
+    return type(scope), mode, layers, options, scope._recording, scope._deferred
 
 
 def exit(scope: object) -> None:
@@ -131,14 +154,13 @@ class Entered:
     TorchDynamo before torch 2.14 traces only context managers made in the region: this one is.
     """
 
-    __slots__ = ("name", "scope")
+    __slots__ = ("scope",)
 
-    def __init__(self, scope: _Enterable, name: str) -> None:
+    def __init__(self, scope: _Enterable) -> None:
         self.scope = scope
-        self.name = name
 
     def __enter__(self) -> Policy:
-        return enter(self.scope, None, self.name)
+        return enter(self.scope)
 
     def __exit__(self, *exc_info: object) -> None:
         exit(self.scope)
@@ -150,51 +172,44 @@ class _Resolved:
 
 
 _RESOLVED = _Resolved()
-_LOCK = threading.Lock()
-_SCOPES: dict[str, _Enterable] = {}
-
-
-def name_of(scope: _Enterable) -> str:
-    """A name that finds ``scope`` while tracing, for good (a decorator's scope: decorators live long)."""
-    with _LOCK:
-        for name, known in _SCOPES.items():
-            if known is scope:
-                return name
-        name = f"scope{len(_SCOPES)}"
-        _SCOPES[name] = scope
-        return name
 
 
 def _resolved_name(start: str, *scopes: Any) -> str:
     """The name of what the scopes entered in a region put in effect, from the table named ``start``.
 
-    ``scopes``: three items per scope: the scope object or its name, None, None; or a scope's class and
-    the arguments it was made with in the region (mode, layers). Kept in :data:`_RESOLVED`, so alive while
-    compiled programs may read it.
+    ``scopes``: six items per scope, its :func:`_value`. Kept in :data:`_RESOLVED`, so alive while compiled
+    programs may read it.
     """
     active = named(start)
-    for index in range(0, len(scopes), 3):
-        given, mode, layers = scopes[index : index + 3]
+    for index in range(0, len(scopes), _WIDTH):
+        given, mode, layers, options, recording, deferred = scopes[index : index + _WIDTH]
         try:
-            if isinstance(given, type):
-                scope = given(mode, **layers)
-            else:
-                scope = _SCOPES[given] if isinstance(given, str) else given
+            scope = given(_policy(mode), **layers, **from_text(options))
+            scope._recording, scope._deferred = recording, deferred
             active = scope.entered(active)
         except Exception as error:  # noqa: BLE001 - raised where the scope is entered eagerly (see enter)
-            return f"{_REFUSED}kernelpolicy: {_written(given, mode, layers)} cannot be entered: {error}"
+            return f"{_REFUSED}kernelpolicy: {_written(mode, layers)} cannot be entered: {error}"
     setattr(_RESOLVED, active.name, active)
     return active.name
 
 
-def _written(given: Any, mode: object, layers: dict[str, Any] | None) -> str:
-    """How the scope ``given`` (see :func:`_resolved_name`) is written."""
-    if isinstance(given, type) and layers is not None:
-        written = [repr(mode)] if mode is not None else []
-        return f"kernel_policy({', '.join(written + [f'{name}={value!r}' for name, value in layers.items()])})"
-    return repr(_SCOPES[given] if isinstance(given, str) else given)
+def _policy(mode: object) -> object:
+    """``mode`` as :func:`_value` gave it: a :class:`~kernelpolicy.Policy` where it was one."""
+    if isinstance(mode, tuple) and mode and mode[0] == _KEY:
+        _, default, layers, options = mode
+        return Policy(default, **dict(layers), **from_text(options))
+    return mode
+
+
+def _written(mode: object, layers: dict[str, Any]) -> str:
+    """How a scope made with ``mode`` and ``layers`` is written."""
+    written = [repr(_policy(mode))] if mode is not None else []
+    return f"kernel_policy({', '.join(written + [f'{name}={value!r}' for name, value in layers.items()])})"
 
 
 _REFUSED: Final = "!"
+_WIDTH: Final = 6
+#: What marks a policy given by its key in :func:`_value` (a plain tuple: TorchDynamo guards a named tuple on identity).
+_KEY: Final = "kernelpolicy.Policy"
 # torch.compiler.assume_constant_result's mark, set directly (importing TorchDynamo takes over a second).
 setattr(_resolved_name, DYNAMO_CONSTANT_MARK, True)

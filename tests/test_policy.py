@@ -111,7 +111,7 @@ def test_policies_are_hashable_and_usable_as_keys() -> None:
 def test_a_policy_holds_its_value_only() -> None:
     policy = kp.Policy("prefer", RMSNorm="disable")
     assert not hasattr(policy, "__dict__")
-    assert set(type(policy).__slots__) == {"_hash", "_key", "_modes", "_names_variants", "_variants"}  # derived
+    assert set(type(policy).__slots__) == {"_hash", "_key", "_modes", "_names_variants", "_options_text", "_variants"}
     assert policy.options == kp.Policy("prefer").options
     assert not hasattr(policy, "_current")  # the ContextVar reader lives on _active.Active
 
