@@ -341,7 +341,7 @@ class TracedFrame(NamedTuple):
     scope: object
     active: Active
     enclosing: TracedFrame | None
-    #: What ``active`` was resolved from: the table where the region began, then (scope, mode, layers) each.
+    #: What ``active`` was resolved from: the table's name where the region began, then each scope's value.
     chain: tuple[Any, ...]
 
 

@@ -19,7 +19,6 @@ that says which policy is in effect, are in ``_active``.
 
 from __future__ import annotations
 
-import ast
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Final, Literal, NamedTuple, cast, final
 
@@ -40,7 +39,6 @@ __all__ = [
     "Policy",
     "PolicyMode",
     "check_entry",
-    "from_text",
     "options_text",
     "variant_names",
 ]
@@ -507,18 +505,13 @@ def _make(default: PolicyMode, layers: Mapping[str, object], options: PolicyOpti
 
 
 def options_text(options: Mapping[str, object]) -> str:
-    """Checked options as text that :func:`from_text` reads back ("" for none; those equal to the default dropped).
+    """Checked options as text that ``ast.literal_eval`` reads back ("" for none; those equal to the default dropped).
 
     Code TorchDynamo traces passes options on as this string: a number read from an argument may become a
     symbol when it changes, a string never does.
     """
     given = [(name, value) for name, value in options.items() if value != getattr(NO_OPTIONS, name)]
     return repr(tuple(sorted(given))) if given else ""
-
-
-def from_text(text: str) -> dict[str, object]:
-    """The options :func:`options_text` wrote (checked again by whoever takes them)."""
-    return dict(ast.literal_eval(text)) if text else {}
 
 
 def _restore(default: object, layers: object, options: object) -> Policy:

@@ -35,13 +35,14 @@ a context manager it traced), so the eager scope holds there.
 
 from __future__ import annotations
 
+import ast
 import sys
 from typing import TYPE_CHECKING, Any, Final, Protocol, final
 
 from ._active import DEFAULTS, Active, TracedFrame, named
 from ._compat import DYNAMO_CONSTANT_MARK
 from ._errors import ScopeError
-from ._policy import Policy, from_text
+from ._policy import Policy
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -85,14 +86,14 @@ class _Enterable(Protocol):
 def enter(scope: _Enterable) -> Policy:
     """Enter ``scope`` while tracing; return the policy it puts in effect (``__enter__``'s value)."""
     frame = DEFAULTS.traced
-    chain = (DEFAULTS.active._current.name,) if frame is None else frame.chain
-    resolved = _resolved_name(*chain, *_value(scope))
+    chain = (*((DEFAULTS.active._current.name,) if frame is None else frame.chain), *_value(scope))
+    resolved = _resolved_name(*chain)
     if resolved.startswith(_REFUSED):
         # As require's failure (see _binding): fullgraph=True fails with this message; otherwise the frame
         # runs eagerly, where entering the scope raises the error itself.
         sys.modules["torch"]._dynamo.graph_break(msg=resolved[len(_REFUSED) :])
     active: Active = getattr(_RESOLVED, resolved)
-    DEFAULTS.traced = TracedFrame(scope, active, frame, (*chain, *_value(scope)))
+    DEFAULTS.traced = TracedFrame(scope, active, frame, chain)
     return active.policy
 
 
@@ -184,26 +185,32 @@ def _resolved_name(start: str, *scopes: Any) -> str:
     for index in range(0, len(scopes), _WIDTH):
         given, mode, layers, options, recording, deferred = scopes[index : index + _WIDTH]
         try:
-            scope = given(_policy(mode), **layers, **from_text(options))
+            scope = given(_given_mode(mode), **layers, **_options(options))
             scope._recording, scope._deferred = recording, deferred
             active = scope.entered(active)
         except Exception as error:  # noqa: BLE001 - raised where the scope is entered eagerly (see enter)
-            return f"{_REFUSED}kernelpolicy: {_written(mode, layers)} cannot be entered: {error}"
+            written = _written(mode, {**layers, **_options(options)})
+            return f"{_REFUSED}kernelpolicy: {written} cannot be entered: {error}"
     setattr(_RESOLVED, active.name, active)
     return active.name
 
 
-def _policy(mode: object) -> object:
+def _given_mode(mode: object) -> object:
     """``mode`` as :func:`_value` gave it: a :class:`~kernelpolicy.Policy` where it was one."""
     if isinstance(mode, tuple) and mode and mode[0] == _KEY:
         _, default, layers, options = mode
-        return Policy(default, **dict(layers), **from_text(options))
+        return Policy(default, **dict(layers), **_options(options))
     return mode
+
+
+def _options(text: str) -> dict[str, Any]:
+    """The options :func:`_value` gave as text (``_policy.options_text``; checked again by the scope made of them)."""
+    return dict(ast.literal_eval(text)) if text else {}
 
 
 def _written(mode: object, layers: dict[str, Any]) -> str:
     """How a scope made with ``mode`` and ``layers`` is written."""
-    written = [repr(_policy(mode))] if mode is not None else []
+    written = [repr(_given_mode(mode))] if mode is not None else []
     return f"kernel_policy({', '.join(written + [f'{name}={value!r}' for name, value in layers.items()])})"
 
 
