@@ -216,7 +216,7 @@ def _written(mode: object, layers: dict[str, Any]) -> str:
 
 _REFUSED: Final = "!"
 _WIDTH: Final = 6
-#: What marks a policy given by its key in :func:`_value` (a plain tuple: TorchDynamo guards a named tuple on identity).
+#: What marks a policy given by its value in :func:`_value` (a plain tuple: TorchDynamo guards a named tuple on identity).
 _KEY: Final = "kernelpolicy.Policy"
 # torch.compiler.assume_constant_result's mark, set directly (importing TorchDynamo takes over a second).
 setattr(_resolved_name, DYNAMO_CONSTANT_MARK, True)
