@@ -38,6 +38,15 @@ def paths(outputs: tuple[Any, ...]) -> list[object]:
     return [("kernel" if kernel_ran(out) else "original") if isinstance(out, torch.Tensor) else out for out in outputs]
 
 
+def in_four_threads(worker: Callable[[bool], None]) -> None:
+    """``worker(disabled)`` in 4 threads at once, every other one with ``disabled`` True; joined."""
+    threads = [threading.Thread(target=worker, args=(index % 2 == 1,)) for index in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+
+
 def compiled(function: Callable[..., Any], backend: CountingBackend | None = None) -> Callable[..., Any]:
     return torch.compile(function, fullgraph=True, backend=backend or CountingBackend())
 
@@ -227,11 +236,7 @@ def test_threads_share_the_program_and_never_see_another_threads_scope(norm: nn.
         except BaseException as error:  # noqa: BLE001 - re-raised below
             errors.append(error)
 
-    threads = [threading.Thread(target=worker, args=(index % 2 == 1,)) for index in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=120)
+    in_four_threads(worker)
     assert not errors, errors
     assert len(results) == 80
     for policy, inside, after in results:
@@ -429,11 +434,7 @@ def test_threads_under_equal_policies_compile_nothing_after_a_warm_up(norm: nn.M
         except BaseException as error:  # noqa: BLE001 - re-raised below
             errors.append(error)
 
-    threads = [threading.Thread(target=worker, args=(index % 2 == 1,)) for index in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=120)
+    in_four_threads(worker)
     assert not errors, errors  # a thread past the recompile limit (8) fails with FailOnRecompileLimitHit
     # TorchDynamo's cross-thread race ("Unexpected recompilation", docs/compile.md) may add one, rarely two.
     assert backend.compiles - 2 <= 2, backend.compiles

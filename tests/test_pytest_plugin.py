@@ -357,40 +357,7 @@ def test_importing_the_plugin_imports_neither_kernels_nor_torch() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
-def test_a_marker_names_a_variant_its_own_fixture_binds(run: Run) -> None:
-    """The marker's scope is entered before the fixtures run: its variant names are checked once they have."""
-    result = run(
-        """
-        import pathlib
-        import pytest
-        import torch
-        import kernelpolicy
-        from kernelpolicy.testing import DemoModel, local_mapping, rms_norm_kernel_source, write_kernel_repo
-
-        @pytest.fixture
-        def model(tmp_path):
-            model = DemoModel(16).eval()
-            for name, offset in (("default", 1.0), ("mfix", 50.0)):
-                repo = write_kernel_repo(tmp_path / name, rms_norm_kernel_source(offset=offset), name=f"n-{name}")
-                with local_mapping({"RMSNorm": repo}, inherit=False):
-                    kernelpolicy.kernelize(model, mode="inference", device="cpu", variant=None if name == "default" else name)
-            return model
-
-        @pytest.mark.kernel_policy(RMSNorm="kernel:mfix")
-        def test_bound_by_the_fixture(model):
-            assert model(torch.ones(2, 16)).mean().item() > 40
-
-        @pytest.mark.kernel_policy(RMSNorm="kernel:mnever")
-        def test_never_bound(model):
-            pass
-        """,
-        in_subprocess=True,  # it binds kernels: pytester's in-process runs would import kernelpolicy's op twice
-    )
-    result.assert_outcomes(passed=1, failed=1)
-    result.stdout.fnmatch_lines(["*@pytest.mark.kernel_policy: no kernel variant 'mnever' is bound*"])
-
-
-VARIANT_TESTS = """
+VARIANT_FIXTURE = """
 import pytest
 import torch
 import kernelpolicy
@@ -404,6 +371,31 @@ def model(tmp_path):
         with local_mapping({"RMSNorm": repo}, inherit=False):
             kernelpolicy.kernelize(model, mode="inference", device="cpu", variant=None if name == "default" else name)
     return model
+"""
+
+
+def test_a_marker_names_a_variant_its_own_fixture_binds(run: Run) -> None:
+    """The marker's scope is entered before the fixtures run: its variant names are checked once they have."""
+    result = run(
+        VARIANT_FIXTURE
+        + """
+@pytest.mark.kernel_policy(RMSNorm="kernel:mfix")
+def test_bound_by_the_fixture(model):
+    assert model(torch.ones(2, 16)).mean().item() > 40
+
+@pytest.mark.kernel_policy(RMSNorm="kernel:mnever")
+def test_never_bound(model):
+    pass
+""",
+        in_subprocess=True,  # it binds kernels: pytester's in-process runs would import kernelpolicy's op twice
+    )
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["*@pytest.mark.kernel_policy: no kernel variant 'mnever' is bound*"])
+
+
+VARIANT_TESTS = (
+    VARIANT_FIXTURE
+    + """
 
 def test_bound_by_the_fixture(model):
     assert str(kernelpolicy.current_policy()) == "prefer,RMSNorm=kernel:mfix"
@@ -413,6 +405,7 @@ def test_bound_by_the_fixture(model):
 def test_marked_too(model):
     assert model(torch.ones(2, 16)).mean().item() > 40
 """
+)
 
 
 def test_the_run_wide_option_names_a_variant_the_fixtures_bind(run: Run, pytester: pytest.Pytester) -> None:
