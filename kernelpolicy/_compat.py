@@ -310,7 +310,16 @@ ACCELERATE_WRAPPED: Final = "_old_forward"
 TRANSFORMERS_ATTRIBUTES: Final = ("_attn_implementation", "_supports_sdpa")
 BATCHING_ATTRIBUTES: Final[dict[str, tuple[str, ...]]] = {
     "ContinuousBatchingManager": ("input_queue", "model"),
-    "ContinuousBatchProcessor": ("scheduler", "cache", "inputs_and_outputs", "use_async_batching"),
+    "ContinuousBatchProcessor": (
+        "scheduler",
+        "cache",
+        "inputs_and_outputs",
+        "use_async_batching",
+        "model_runner",
+        "model_device",
+        "max_batch_tokens",
+    ),
+    "ContinuousBatchingAsyncIOs": ("current_pair",),  # async batching's two IO pairs: each step's rows buffer
     "Scheduler": ("active_requests", "waiting_requests", "waiting_requests_order"),
     "PagedAttentionCache": ("cache_allocators",),
 }
@@ -583,10 +592,13 @@ def missing_attributes(objects: dict[str, Any]) -> bool:
 
 
 def missing_processor_attributes(processor: Any) -> bool:
-    """:func:`missing_attributes` of a batch processor, then of its scheduler and cache."""
-    return missing_attributes({"ContinuousBatchProcessor": processor}) or missing_attributes(
-        {"Scheduler": processor.scheduler, "PagedAttentionCache": processor.cache}
-    )
+    """:func:`missing_attributes` of a batch processor, then of its scheduler, cache and (async) IO pairs."""
+    if missing_attributes({"ContinuousBatchProcessor": processor}):
+        return True
+    parts = {"Scheduler": processor.scheduler, "PagedAttentionCache": processor.cache}
+    if processor.use_async_batching:
+        parts["ContinuousBatchingAsyncIOs"] = processor.inputs_and_outputs
+    return missing_attributes(parts)
 
 
 def all_present(internals: tuple[Internal, ...]) -> bool:

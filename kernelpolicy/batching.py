@@ -193,14 +193,14 @@ class _Rows:
         self.requests = requests
         self.step = Step(processor.model_device)
         self.static = bool(processor.model_runner.pad_inputs)  # compiled or CUDA graphs: one program for every mix
-        self.ios = processor.inputs_and_outputs
+        self.ios, self.paired = processor.inputs_and_outputs, bool(processor.use_async_batching)
         self.buffers: dict[int, torch.Tensor] = {}
         self.batches: dict[int, _Batch] = {}  # by IO pair: the batch prepared in it, until its step runs
         self.size = int(processor.max_batch_tokens)
         self.layers = requests.layers
 
     def pair(self) -> int:
-        return int(getattr(self.ios, "current_pair", 0))  # async batching alternates two IO pairs
+        return int(self.ios.current_pair) if self.paired else 0  # async batching alternates two IO pairs
 
     def prepared(self, requests_in_batch: list[Any], rows: int) -> _Batch:
         """The batch of ``requests_in_batch`` (``rows`` rows, padding included): its slots and its table."""

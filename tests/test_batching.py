@@ -7,6 +7,7 @@ under its policy.
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import warnings
 from collections.abc import Iterator
@@ -413,9 +414,34 @@ def test_the_batching_attributes_kernelpolicy_reads_are_on_a_real_manager(model:
         f"{owner}.{name}"
         for owner, names in kp._compat.BATCHING_ATTRIBUTES.items()
         for name in names
-        if not hasattr(objects[owner], name)
+        if owner in objects and not hasattr(objects[owner], name)
     ]
     assert missing == [], f"transformers {transformers.__version__}"
+    # Async batching's IOs need a GPU to be made: their __init__ must set what kernelpolicy reads.
+    from transformers.generation.continuous_batching import input_outputs
+
+    made = inspect.getsource(input_outputs.ContinuousBatchingAsyncIOs.__init__)
+    assert all(f"self.{name} =" in made for name in kp._compat.BATCHING_ATTRIBUTES["ContinuousBatchingAsyncIOs"])
+
+
+def test_async_io_pairs_without_their_current_pair_are_told(
+    model: Any, config: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each IO pair's rows have a buffer of their own, chosen by ``current_pair`` (was: ``getattr(ios,
+    "current_pair", 0)``, so a rename made both pairs share one buffer, the next step's rows over this one's)."""
+    manager = _unwrapped_manager(model, config, monkeypatch)
+    create = manager._create_batch_processor
+
+    def asynchronous() -> Any:
+        processor = create()
+        processor.use_async_batching = True  # with this CPU's synchronous IOs: no current_pair
+        return processor
+
+    manager._create_batch_processor = asynchronous
+    batching.policy_aware(manager)
+    with pytest.warns(UserWarning, match=r"ContinuousBatchingAsyncIOs\.current_pair.*leaves the manager"):
+        processor = manager._create_batch_processor()
+    assert not hasattr(processor, batching._MARK)
 
 
 def _unwrapped_manager(model: Any, config: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
