@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, Any, Final, NamedTuple
 from torch import nn
 from torch.compiler import is_dynamo_compiling as _is_dynamo
 
-from . import _compat
+from . import _compat, _watch
 from ._active import RECORD_SUFFIX, UNRECORDED, in_effect
 from ._attach import ATTACH_HOOKS
 from ._aware import NO_ORIGINAL, ORIGINALS, _make_class_aware, binding_of
@@ -223,7 +223,8 @@ def attach_attention(model: nn.Module, fallback: str | None = None) -> HubAttent
                 f"the attention kernel {name!r} is not registered in transformers' ALL_ATTENTION_FUNCTIONS"
             )
         hub = HubAttention(name, current, masks[name], fallback)
-        hub.forward = types.MethodType(_HubKernel.forward, hub)  # type: ignore[method-assign]  # binds the kernel
+        with _watch.binding_a_kernel():  # kernelpolicy's binding, not one by hand (explain says which)
+            hub.forward = types.MethodType(_HubKernel.forward, hub)  # type: ignore[method-assign]
         binding = binding_of(hub)
         assert binding is not None
         binding.module_name = ROW

@@ -18,6 +18,7 @@ Cost: nothing on the forward path; one Python call per binding.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 import threading
@@ -27,11 +28,11 @@ from typing import TYPE_CHECKING, Any
 from . import _compat
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Iterator
 
     from torch import nn
 
-__all__ = ["ON_BIND", "kernels_binding", "watch", "watching"]
+__all__ = ["ON_BIND", "binding_a_kernel", "kernels_binding", "watch", "watching"]
 
 #: ``callback(module)``, called after kernels binds ``module`` (a kernel or its fallback).
 ON_BIND: list[Callable[[nn.Module], None]] = []
@@ -63,6 +64,16 @@ def watch() -> bool:
 def kernels_binding() -> bool:
     """Whether kernels' binding function is running here: a ``module.forward = ...`` now is kernels' binding."""
     return _BINDING.get()
+
+
+@contextlib.contextmanager
+def binding_a_kernel() -> Iterator[None]:
+    """kernelpolicy binds a kernel itself (a hub attention kernel): what it assigns counts as kernels' binding."""
+    token = _BINDING.set(True)
+    try:
+        yield
+    finally:
+        _BINDING.reset(token)
 
 
 def watching() -> bool:
