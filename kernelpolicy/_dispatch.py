@@ -74,7 +74,7 @@ import keyword
 import linecache
 import logging
 import types
-from typing import TYPE_CHECKING, Any, Final, Literal
+from typing import TYPE_CHECKING, Any, Final, Literal, Protocol
 
 import torch
 import torch.compiler as _compiler  # noqa: F401 - read by the generated forwards (TRACING_CHECK)
@@ -84,7 +84,7 @@ from torch.compiler import is_dynamo_compiling as _is_dynamo
 
 from . import _state
 from ._active import DEFAULTS, RECOMPUTED_WITH_GRAD, in_effect  # noqa: F401 - DEFAULTS, in_effect: read by the generated forwards
-from ._mixing import run_mixed
+from ._mixing import Mixed, run_mixed
 from ._persisted import checked, persisting  # noqa: F401 - read by the generated forwards
 from ._replay import GO_ON  # noqa: F401 - read by the generated forwards
 from ._rules import RULES
@@ -95,11 +95,11 @@ if TYPE_CHECKING:
 
     from torch import nn
 
-    from ._binding import Binding
     from ._policy import PolicyMode
+    from ._replay import Replays
     from ._state import ExecutionState
 
-__all__ = ["Path", "autograd_records", "decide", "make_forward"]
+__all__ = ["Dispatched", "Path", "autograd_records", "decide", "make_forward"]
 
 logger = logging.getLogger("kernelpolicy")
 
@@ -109,6 +109,39 @@ NO_KERNEL: Final = "no kernel bound"
 DISABLED: Final = "disabled by policy"
 USABLE: Final = "kernel usable"
 VERIFIED: Final = "kernel usable; verified against the original forward"
+
+
+class Dispatched(Mixed, Protocol):
+    """What :func:`make_forward` reads of a binding (``_binding.Binding``, a layer above, satisfies it).
+
+    Besides what a mixed call reads (:func:`run_mixed` gets the binding): the forward's parts.
+    """
+
+    @property
+    def stopped(self) -> str | None: ...
+    @property
+    def has_backward(self) -> bool: ...
+    @property
+    def own(self) -> Any: ...
+    @property
+    def replays(self) -> Replays: ...
+    def slow_path(
+        self, mode: str, args: tuple[Any, ...], kwargs: dict[str, Any], state: ExecutionState | None = None
+    ) -> Any: ...
+    def unsupported(
+        self,
+        error: NotImplementedError,
+        mode: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        recorders: tuple[Any, ...] = (),
+        reason: str = ...,
+    ) -> Any: ...
+    def failed(
+        self, error: Exception, args: tuple[Any, ...], kwargs: dict[str, Any], recorders: tuple[Any, ...] = ()
+    ) -> Any: ...
+    def refused(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None: ...
+    def patched(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any: ...
 
 
 def untraceable(state: ExecutionState) -> str:
@@ -402,7 +435,7 @@ def _factory(variant: str, function: Callable[..., Any], layer_name: str) -> Cal
     return found
 
 
-def make_forward(binding: Binding) -> Callable[..., Any]:
+def make_forward(binding: Dispatched) -> Callable[..., Any]:
     """Build the ``forward`` a policy-aware module calls.
 
     Four variants, chosen once per binding so that each call tests only what

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import TYPE_CHECKING, Any, Final, Literal, NamedTuple, final
+from typing import TYPE_CHECKING, Any, Final, Literal, NamedTuple, Protocol, final
 
 import torch
 from torch.compiler import is_dynamo_compiling as _is_dynamo
@@ -39,14 +39,16 @@ from ._errors import PolicyError
 from ._scope import _recording_scope
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
+    from collections.abc import Callable, Iterator, Mapping
 
-    from ._binding import Binding
+    from torch import nn
+
     from ._policy import Policy
 
 __all__ = [
     "JOINS",
     "ROWS",
+    "Mixed",
     "MixedCallError",
     "Rows",
     "Step",
@@ -58,6 +60,31 @@ __all__ = [
 
 Kind = Literal["token", "request"]
 Join = Literal["select", "split"]
+
+
+class Mixed(Protocol):
+    """What a mixed call reads of its module's binding (``_binding.Binding``, a layer above, satisfies it).
+
+    ``variants`` maps names to ``_binding.Kernel`` there (a layer above): here only whether there are any.
+    """
+
+    @property
+    def module(self) -> nn.Module: ...
+    @property
+    def layer_name(self) -> str: ...
+    @property
+    def original(self) -> Callable[..., Any]: ...
+    @property
+    def kernel(self) -> Callable[..., Any] | None: ...
+    @property
+    def variants(self) -> Mapping[str, object]: ...
+    @property
+    def can_torch_compile(self) -> bool: ...
+    @property
+    def dispatcher(self) -> Any: ...
+    def has_aware_children(self) -> bool: ...
+
+
 KINDS: Final = ("token", "request")
 JOINS: Final = ("select", "split")
 
@@ -216,7 +243,7 @@ class Step:
             found = self.tables[key] = activate_mixed(Members(self, slots), recording)
         return found
 
-    def plan(self, binding: Binding, members: Members, rows: Rows) -> list[_Group]:
+    def plan(self, binding: Mixed, members: Members, rows: Rows) -> list[_Group]:
         """The groups of rows of ``binding``'s layer in this step (cached per layer for the step)."""
         nested = binding.has_aware_children()
         without_kernel = binding.kernel is None and not binding.variants
@@ -292,7 +319,7 @@ def mixed_scope(active: Active, recorders: tuple[Any, ...]) -> Iterator[None]:
         _SCOPED.reset(token)
 
 
-def run_mixed(binding: Binding, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def run_mixed(binding: Mixed, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """One call of ``binding``'s module whose rows follow different paths (its entry is ``MIXED``)."""
     members: Members = in_effect().mix
     rows = ROWS.get(binding.layer_name, Rows("request"))  # an undeclared layer is grouped by the scheduler
@@ -323,7 +350,7 @@ def run_mixed(binding: Binding, args: tuple[Any, ...], kwargs: dict[str, Any]) -
 
 
 def _run_group(
-    binding: Binding, group: _Group, args: tuple[Any, ...], kwargs: dict[str, Any], dim: int, count: int
+    binding: Mixed, group: _Group, args: tuple[Any, ...], kwargs: dict[str, Any], dim: int, count: int
 ) -> tuple[torch.Tensor | None, Any]:
     """One group's call: its rows (None: every row) and its output; its error as :class:`MixedCallError`."""
     index = group.rows

@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import weakref
 from contextvars import ContextVar
-from typing import TYPE_CHECKING, Any, Final, final
+from typing import TYPE_CHECKING, Any, Final, Literal, Protocol, final
 
 import torch
 
@@ -64,10 +64,11 @@ from ._scope import kernel_policy
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from ._active import Active
-    from ._binding import Binding
+    from torch import nn
 
-__all__ = ["GO_ON", "REPLAYING", "Replays"]
+    from ._active import Active
+
+__all__ = ["GO_ON", "REPLAYING", "Replayed", "Replays"]
 
 #: What :meth:`Replays.check` returns when the forward goes on as usual (no replay).
 GO_ON: Final = object()
@@ -75,6 +76,26 @@ GO_ON: Final = object()
 #: while :func:`kernelpolicy.training.checkpoint` runs its function under the policy it carries.
 REPLAYING: ContextVar[bool] = ContextVar("kernelpolicy.replaying", default=False)
 _NOT_FOUND: Final = object()
+
+
+class Replayed(Protocol):
+    """What :class:`Replays` reads of its module's binding (``_binding.Binding``, a layer above, satisfies it).
+
+    ``decide``'s path is a ``_dispatch.Path`` (a layer above) and its state an ``ExecutionState`` (``_state``,
+    a sibling): here only the state this module asks for and the path as the string it compares.
+    """
+
+    @property
+    def module(self) -> nn.Module: ...
+    @property
+    def module_name(self) -> str | None: ...
+    @property
+    def module_class(self) -> str: ...
+    @property
+    def layer_name(self) -> str: ...
+    def decide(
+        self, mode: str, state: Literal["eager"], args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> tuple[str, str]: ...
 
 
 @final
@@ -100,7 +121,7 @@ class Replays:
 
     __slots__ = ("binding", "cell", "frames", "nograd")
 
-    def __init__(self, binding: Binding) -> None:
+    def __init__(self, binding: Replayed) -> None:
         self.binding = binding
         #: The forward's ``last`` closure cell (set by ``_dispatch.make_forward``): its cache of :meth:`check`.
         self.cell: Any = None

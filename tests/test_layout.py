@@ -52,3 +52,14 @@ def test_modules_stay_near_500_lines() -> None:
     sizes = {path.name: len(path.read_text().splitlines()) for path in PACKAGE.glob("*.py")}
     over = {name: size for name, size in sizes.items() if size > LARGER.get(name, 500)}
     assert over == {}
+
+
+def test_the_layers_count_imports_made_only_for_type_checking() -> None:
+    """``lint-imports`` (CI) checks the layers with the imports under ``TYPE_CHECKING`` too (issue 42).
+
+    A type a lower module names reaches it as a protocol of what it reads (``_replay.Replayed``,
+    ``_mixing.Mixed``, ``_dispatch.Dispatched``), not by importing the class above it, so that no cycle hides there.
+    """
+    config = (PACKAGE.parent / "pyproject.toml").read_text()
+    settings = config.split("[tool.importlinter]", 1)[1].split("[[tool.importlinter.contracts]]", 1)[0]
+    assert "exclude_type_checking_imports = false" in settings.splitlines(), settings
