@@ -195,9 +195,6 @@ def _arm() -> None:
         POLICY_CHECKS.append(_check)
 
 
-_watch.ON_BIND.append(_on_bind)
-
-
 def _disarm() -> None:
     with _LOCK:
         if _check in POLICY_CHECKS:

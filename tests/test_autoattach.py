@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import kernelpolicy as kp
-from kernelpolicy import _active, _autoattach
+from kernelpolicy import _active, _autoattach, _watch
 from kernelpolicy._aware import binding_of
 from kernelpolicy.testing import DemoModel, RMSNorm, kernel_calls, tiny_llama
 
@@ -232,3 +232,9 @@ def test_auto_attach_reaches_transformers_from_pretrained(mapping: Callable[[str
         model.train()  # transformers kernelizes again: still policy-aware
         model.eval()
         assert binding_of(model.model.norm) is not None
+
+
+def test_each_watch_callback_runs_once_per_binding() -> None:
+    """``_autoattach`` registers its callback on kernels' binding once (it was twice: every binding ran it twice)."""
+    assert _watch.ON_BIND.count(_autoattach._on_bind) == 1, _watch.ON_BIND
+    assert len({id(callback) for callback in _watch.ON_BIND}) == len(_watch.ON_BIND), _watch.ON_BIND
