@@ -315,6 +315,12 @@ def _server(root: Any, folder: Any, repo: Any, *options: str, env: dict[str, str
         yield url
 
 
+def _hangup_by_default() -> None:
+    """SIGHUP's default action in the server's process, as a terminal session starts it: a test run under ``nohup``
+    ignores SIGHUP, which the server would inherit (and rightly keep: the command handles only a default SIGHUP)."""
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
+
 @contextlib.contextmanager
 def _started(
     root: Any, folder: Any, repo: Any, *options: str, env: dict[str, str] | None = None
@@ -327,7 +333,14 @@ def _started(
     command += ["--host", "127.0.0.1", "--port", str(port), "--kernel", f"RMSNorm={repo}", *options]
     log_path = root / f"server-{port}.log"
     log = log_path.open("w")
-    server = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    server = subprocess.Popen(
+        command,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        preexec_fn=_hangup_by_default,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         try:
