@@ -334,9 +334,13 @@ def test_batching_wrappers_take_the_parameters_of_the_methods_they_replace() -> 
         assert without_defaults == internal.parameters[: len(without_defaults)], (method, taken)
         assert len(without_defaults) == len(internal.parameters) or wrapper.args.vararg is not None, (method, taken)
     transformers = pytest.importorskip("transformers")
+    try:
+        methods = [(internal, _compat.lookup(internal.names[0])) for internal in _compat.BATCHING]
+    except LookupError:  # before 5.22: no batching seams at all (the user is told; tests/test_moved_internals.py)
+        return
     changed = [
-        f"{internal.names[0]}{inspect.signature(_compat.lookup(internal.names[0]))}"
-        for internal in _compat.BATCHING
+        f"{internal.names[0]}{inspect.signature(method)}"
+        for internal, method in methods
         if _compat.first_present(internal) is None
     ]
     assert not changed, f"transformers {transformers.__version__}: " + "; ".join(changed)

@@ -332,7 +332,12 @@ def test_a_decorated_generator_started_in_compiled_code_runs_eagerly_and_leaves_
     plain = {"next": ["kernel"] * 2, "all": ["kernel"] * 4, "async": ["kernel"] * 2, "state": clean}
     assert results["decorated=False"] == plain  # plain torch: the generator inlined, nothing left behind
     disabled = {"next": ["original"] * 2, "all": ["kernel", "original", "original", "kernel"]}
-    assert results["decorated=True"] == {**disabled, "async": ["original"] * 2, "state": clean}
+    # torch 2.9 to 2.12: skip_frame does not skip a decorated async generator's frame, which still fails with
+    # TorchDynamo's bare AssertionError (docs/compile.md); the process is left clean all the same.
+    driven = (
+        ["original"] * 2 if torch.torch_version.TorchVersion(torch.__version__) >= "2.13" else ["AssertionError: "] * 2
+    )
+    assert results["decorated=True"] == {**disabled, "async": driven, "state": clean}
     message = "kernelpolicy: a generator decorated with kernel_policy('disable') runs eagerly"
     assert any(message in line for line in results["fullgraph"]), results["fullgraph"]
     assert results["fullgraph_state"] == clean
