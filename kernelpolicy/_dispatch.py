@@ -88,7 +88,7 @@ from ._mixing import Mixed, run_mixed
 from ._persisted import checked, persisting  # noqa: F401 - read by the generated forwards
 from ._replay import GO_ON  # noqa: F401 - read by the generated forwards
 from ._rules import RULES
-from ._verify import tensors_in
+from ._tensors import tensors_in
 
 if TYPE_CHECKING:
     from collections.abc import Callable

@@ -191,7 +191,7 @@ def _compared(module: Any, tested: Any, reference: Any, mismatch: Any) -> None:
     import torch
 
     from ._binding import BINDING
-    from ._verify import tensors_in
+    from ._tensors import tensors_in
 
     binding = module.__dict__.get(BINDING)
     layer = "" if binding is None else binding.layer_name

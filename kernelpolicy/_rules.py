@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ._verify import tensors_in
+from ._tensors import tensors_in
 
 if TYPE_CHECKING:
     from collections.abc import Callable

@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING, Any, Final
 
-from ._verify import tensors_in
+from ._tensors import tensors_in
 
 if TYPE_CHECKING:
     from collections.abc import Callable

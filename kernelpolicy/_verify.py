@@ -38,6 +38,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from ._tensors import clone_tensors, tensors_in
+
 if TYPE_CHECKING:
     from ._policy import Tolerance
 
@@ -45,9 +47,7 @@ __all__ = [
     "DEFAULT_TOLERANCES",
     "BufferState",
     "Mismatch",
-    "clone_tensors",
     "compare",
-    "map_tensors",
     "run_and_compare",
     "tolerances",
 ]
@@ -92,32 +92,6 @@ def _pick(value: Tolerance, dtype: torch.dtype, default: float) -> float:
         named = dict(value)
         return named.get(str(dtype).removeprefix("torch."), named.get("*", default))
     return value
-
-
-def map_tensors(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
-    """``value`` with ``fn`` applied to every tensor inside tuples (named ones kept), lists and dicts."""
-    if isinstance(value, torch.Tensor):
-        return fn(value)
-    if isinstance(value, tuple):
-        items = [map_tensors(item, fn) for item in value]
-        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
-    if isinstance(value, list):
-        return [map_tensors(item, fn) for item in value]
-    if isinstance(value, dict):
-        return {key: map_tensors(item, fn) for key, item in value.items()}
-    return value
-
-
-def tensors_in(value: Any) -> list[torch.Tensor]:
-    """Every tensor inside tuples, lists and dicts of ``value``, in order."""
-    found: list[torch.Tensor] = []
-    map_tensors(value, found.append)
-    return found
-
-
-def clone_tensors(value: Any) -> Any:
-    """``value`` with every tensor inside tuples, lists and dicts cloned."""
-    return map_tensors(value, lambda tensor: tensor.detach().clone())
 
 
 class BufferState:

@@ -155,7 +155,7 @@ def call_on_local_shards(
     """
     from torch.distributed.tensor import DTensor
 
-    from ._verify import map_tensors, tensors_in
+    from ._tensors import map_tensors, tensors_in
 
     first = next(t for t in tensors_in((args, kwargs)) if isinstance(t, DTensor))
     mesh, placements = first.device_mesh, first.placements
