@@ -128,7 +128,7 @@ def eager_noop(ctx: RunContext) -> Section:
         measure("no-op layer, module(x), grad enabled", grad_variants, baseline=baseline, settings=ctx.settings)
     )
     # The training forward: x requires grad, so autograd records the call and the forward notes its policy for a
-    # recomputation (kernelpolicy._replay); inside torch's non-reentrant checkpoint it also records it per frame.
+    # recomputation (kernelpolicy._forward._replay); inside torch's non-reentrant checkpoint it also records it per frame.
     xg = torch.zeros(1, requires_grad=True)
     training = {"checkpoint": torch.utils.checkpoint.checkpoint, "x": xg}
     training_variants = [

@@ -5,7 +5,7 @@ Not a timing: the error a recomputation on the other path puts into the gradient
 100. Each line compares the parameter gradients with an uncheckpointed run under the same policy and counts
 the kernel calls made during ``backward()`` (the recomputations on the kernel). The table covers each way torch
 checkpoints, called directly (wrappers applied after ``kernelize``; FSDP2 on a one-rank gloo group), where
-only the forwards' own replay (``kernelpolicy._replay``) can keep the path.
+only the forwards' own replay (``kernelpolicy._forward._replay``) can keep the path.
 """
 
 from __future__ import annotations

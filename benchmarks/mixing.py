@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.benchmark import Compare, Measurement, Timer
 
-from kernelpolicy._mixing import _joined, _select, _taken
+from kernelpolicy._forward._mixing import _joined, _select, _taken
 
 if TYPE_CHECKING:
     from collections.abc import Callable

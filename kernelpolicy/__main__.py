@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
 
         demo()
         return 0
-    from ._doctor import doctor
+    from ._tell._doctor import doctor
 
     report = doctor()
     print(report.verbose() if args.verbose else report)

@@ -534,7 +534,7 @@ def resolve(internal: Internal) -> Any:
         break
     if internal not in _told:
         _told.add(internal)
-        from ._errors import warn_at_caller
+        from ._values._errors import warn_at_caller
 
         effect = internal.fallback or "cannot work"
         names = ", ".join(internal.names)

@@ -17,10 +17,10 @@ from typing import Any
 
 import torch
 
-from ._accounting import record_calls
-from ._errors import KernelMismatchError, KernelUnavailableError
-from ._explain import explain
-from ._scope import kernel_policy, kernels_disabled
+from ._context._scope import kernel_policy, kernels_disabled
+from ._tell._accounting import record_calls
+from ._tell._explain import explain
+from ._values._errors import KernelMismatchError, KernelUnavailableError
 from .testing import ShowcaseModel, kernelize_locally, rms_norm_kernel_source, silu_kernel_source, write_kernel_repo
 
 __all__ = ["demo"]

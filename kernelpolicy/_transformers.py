@@ -52,17 +52,18 @@ from typing import TYPE_CHECKING, Any, Final, NamedTuple
 from torch import nn
 from torch.compiler import is_dynamo_compiling as _is_dynamo
 
-from . import _compat, _watch
-from ._active import RECORD_SUFFIX, UNRECORDED, in_effect
-from ._attach import ATTACH_HOOKS
-from ._aware import NO_ORIGINAL, ORIGINALS, _make_class_aware, binding_of
-from ._errors import PolicyError
-from ._explain import ROW_SOURCES, UNGOVERNED_SOURCES, Ungoverned
+from . import _compat
+from ._attach._attach import ATTACH_HOOKS
+from ._attach._aware import NO_ORIGINAL, ORIGINALS, _make_class_aware, binding_of
+from ._context._active import RECORD_SUFFIX, UNRECORDED, in_effect
+from ._forward import _watch
+from ._tell._explain import ROW_SOURCES, UNGOVERNED_SOURCES, Ungoverned
+from ._values._errors import PolicyError
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
 
-    from ._binding import Binding
+    from ._forward._binding import Binding
 
 __all__ = [
     "ATTENTION",
@@ -124,7 +125,7 @@ class HubAttention(nn.Module):
 
     def build_mask(self, *args: Any, **kwargs: Any) -> Any:
         """The mask builder registered under the kernel's name: the kernel's or the fallback's, as the call will go."""
-        from ._explain import will_use_kernel
+        from ._tell._explain import will_use_kernel
 
         if not will_use_kernel(self):
             return self.mask_functions[self.fallback](*args, **kwargs)

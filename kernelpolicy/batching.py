@@ -39,18 +39,18 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from . import _compat
-from ._active import RECORDERS, activate, current_policy
-from ._attach import ATTACH_HOOKS
-from ._binding import BINDING
-from ._errors import KernelMismatchError, KernelUnavailableError, PolicyError
-from ._mixing import ROWS, MixedCallError, Step, declare_rows, mixable, mixed_scope
-from ._scope import kernel_policy
+from ._attach._attach import ATTACH_HOOKS
+from ._context._active import RECORDERS, activate, current_policy
+from ._context._scope import kernel_policy
+from ._forward._binding import BINDING
+from ._forward._mixing import ROWS, MixedCallError, Step, declare_rows, mixable, mixed_scope
+from ._values._errors import KernelMismatchError, KernelUnavailableError, PolicyError
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
 
-    from ._active import Active
-    from ._policy import Policy
+    from ._context._active import Active
+    from ._values._policy import Policy
 
 __all__ = ["declare_rows", "policy_aware", "request_policy"]
 
@@ -155,7 +155,7 @@ def policy_aware(manager: Any, *, policies: Iterable[Policy | str] = ()) -> Any:
         with kernelpolicy.kernels_disabled():
             disabled = model.generate_batch(ids)  # every step of these requests: the original forwards
     """
-    from ._policy import Policy
+    from ._values._policy import Policy
 
     wanted = tuple(Policy.parse(p) if isinstance(p, str) else p for p in policies)
     existing: _Requests | None = getattr(manager, _MARK, None)

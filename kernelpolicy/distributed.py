@@ -21,10 +21,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ._active import current_policy
-from ._errors import PolicyMismatchError  # public here: only this module raises it
-from ._policy import Policy, check_layer_name
-from ._scope import kernel_policy
+from ._context._active import current_policy
+from ._context._scope import kernel_policy
+from ._values._errors import PolicyMismatchError  # public here: only this module raises it
+from ._values._policy import Policy, check_layer_name
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -64,7 +64,7 @@ def check_consistent(model: nn.Module | None = None, *, group: Any = None) -> Po
     policy = current_policy()
     paths: dict[str, tuple[str, str]] | None = None
     if model is not None:
-        from ._explain import explain
+        from ._tell._explain import explain
 
         paths = {row.name: (row.path, row.reason) for row in explain(model)}
     gathered: list[Any] = [None] * dist.get_world_size(group)
@@ -128,7 +128,7 @@ def run_on_local_shards(*layer_names: str, enabled: bool = True) -> None:
     ['RMSNorm']
     >>> kernelpolicy.distributed.run_on_local_shards("RMSNorm", enabled=False)
     """
-    from ._sharding import LOCAL_SHARDS
+    from ._forward._sharding import LOCAL_SHARDS
 
     for name in [check_layer_name(name) for name in layer_names]:
         if enabled:
@@ -139,7 +139,7 @@ def run_on_local_shards(*layer_names: str, enabled: bool = True) -> None:
 
 def local_shard_layers() -> frozenset[str]:
     """The layer names declared with :func:`run_on_local_shards`."""
-    from ._sharding import LOCAL_SHARDS
+    from ._forward._sharding import LOCAL_SHARDS
 
     return frozenset(LOCAL_SHARDS)
 
@@ -155,7 +155,7 @@ def call_on_local_shards(
     """
     from torch.distributed.tensor import DTensor
 
-    from ._tensors import map_tensors, tensors_in
+    from ._values._tensors import map_tensors, tensors_in
 
     first = next(t for t in tensors_in((args, kwargs)) if isinstance(t, DTensor))
     mesh, placements = first.device_mesh, first.placements

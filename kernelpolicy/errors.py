@@ -15,7 +15,7 @@ unknown kernel policy mode 'fast' for every layer
 
 from __future__ import annotations
 
-from ._errors import (
+from ._values._errors import (
     ArtifactPolicyError,
     KernelMismatchError,
     KernelUnavailableError,

@@ -10,7 +10,7 @@ The everyday ones are top-level names: ``kernelpolicy.explain`` (which path each
 
 from __future__ import annotations
 
-from ._active import known_layers
-from ._state import execution_state
+from ._context._active import known_layers
+from ._context._state import execution_state
 
 __all__ = ["execution_state", "known_layers"]

@@ -23,13 +23,13 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any, final
 
-from ._active import current_policy
-from ._policy import ENV_VAR
+from ._context._active import current_policy
+from ._values._policy import ENV_VAR
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
 
-    from ._policy import Policy
+    from ._values._policy import Policy
 
 __all__ = ["child_env", "worker_init_fn"]
 
@@ -75,8 +75,8 @@ class _WorkerInit:
         self.fn = fn
 
     def __call__(self, *args: Any) -> None:
-        from ._propagate import leave_scopes
-        from ._scope import set_unchecked_default
+        from ._context._propagate import leave_scopes
+        from ._context._scope import set_unchecked_default
 
         set_unchecked_default(self.policy)  # its variants are bound later, by the worker's task
         leave_scopes()  # a forked worker's copy of the forking thread's scopes would hide that default

@@ -54,13 +54,13 @@ import pytest
 
 import kernelpolicy as _kernelpolicy
 from kernelpolicy import Policy, PolicyError, current_policy, kernel_policy
-from kernelpolicy._scope import check_variants
+from kernelpolicy._context._scope import check_variants
 
 if TYPE_CHECKING:
     from collections.abc import Generator, Mapping
     from types import ModuleType
 
-    from kernelpolicy._policy import PolicyMode
+    from kernelpolicy._values._policy import PolicyMode
 
 __all__ = ["MARKER", "OPTION"]
 

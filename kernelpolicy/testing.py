@@ -355,8 +355,8 @@ def kernelize_locally(model: M, repos: Mapping[str, Path | str], *, mode: str = 
 
 def kernel_calls(model: nn.Module) -> int:
     """Eager calls counted so far by the kernels bound under ``model`` (each kernel repo once)."""
-    from ._attach import kernel_modules
-    from ._aware import binding_of
+    from ._attach._attach import kernel_modules
+    from ._attach._aware import binding_of
 
     counters = {}
     for _, module in kernel_modules(model):

@@ -15,7 +15,7 @@ context of whoever calls ``backward()``. A training step written as::
 
 recomputes under the policy of the forward pass anyway: every policy-aware
 forward records, in the forward pass, the policy it ran under, and replays it
-when a backward pass recomputes it (``kernelpolicy._replay``). That covers
+when a backward pass recomputes it (``kernelpolicy._forward._replay``). That covers
 torch's checkpointing however it is reached (``torch.utils.checkpoint.checkpoint``
 in both modes, ``checkpoint_sequential``, ``checkpoint_wrapper``,
 ``apply_activation_checkpointing``, FSDP2 with activation checkpointing). Where
@@ -60,18 +60,18 @@ from torch.compiler import is_dynamo_compiling as _is_dynamo
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from . import _compat
-from ._active import RECOMPUTED_WITH_GRAD, ensure_env, in_effect
-from ._attach import ATTACH_HOOKS
-from ._errors import RecomputationError
-from ._replay import REPLAYING
-from ._scope import kernel_policy
+from ._attach._attach import ATTACH_HOOKS
+from ._context._active import RECOMPUTED_WITH_GRAD, ensure_env, in_effect
+from ._context._scope import kernel_policy
+from ._forward._replay import REPLAYING
+from ._values._errors import RecomputationError
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
 
     from torch import nn
 
-    from ._policy import Policy
+    from ._values._policy import Policy
 
 __all__ = ["RecomputationError", "checkpoint"]
 

@@ -12,10 +12,10 @@ What ``record_calls`` yields (:class:`CallCounts`), what ``explain`` returns (:c
 
 from __future__ import annotations
 
-from ._accounting import CallCounts
-from ._explain import Explanation, LayerRow
-from ._policy import PolicyMode
-from ._state import ExecutionState
-from ._warmup import WarmupReport
+from ._context._state import ExecutionState
+from ._tell._accounting import CallCounts
+from ._tell._explain import Explanation, LayerRow
+from ._tell._warmup import WarmupReport
+from ._values._policy import PolicyMode
 
 __all__ = ["CallCounts", "ExecutionState", "Explanation", "LayerRow", "PolicyMode", "WarmupReport"]

@@ -10,7 +10,9 @@ import pytest
 import torch
 
 import kernelpolicy
-from kernelpolicy import _active, _autoattach, _policy
+from kernelpolicy._attach import _autoattach
+from kernelpolicy._context import _active
+from kernelpolicy._values import _policy
 from kernelpolicy.testing import DemoModel, local_mapping, rms_norm_kernel_source, write_kernel_repo
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import kernelpolicy as kp
-from kernelpolicy._active import DEFAULTS
+from kernelpolicy._context._active import DEFAULTS
 from kernelpolicy.testing import DemoModel
 
 X = torch.randn(3, 16, generator=torch.Generator().manual_seed(8))

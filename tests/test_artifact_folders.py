@@ -1,4 +1,4 @@
-"""Folders of programs (``kernelpolicy._manifest``): written whole or not at all, checked when loaded (issue 35).
+"""Folders of programs (``kernelpolicy.artifacts._manifest``): written whole or not at all, checked when loaded (issue 35).
 
 Real ``torch.export`` programs of a DemoModel kernelized with a traceable local kernel that adds 100, saved to
 real folders; a failed save is a real save with a fault injected (``torch.export.save`` raising ENOSPC after
@@ -22,8 +22,7 @@ import torch
 from _helpers import as_ordinary_user, kernel_ran
 
 import kernelpolicy as kp
-from kernelpolicy import _manifest
-from kernelpolicy.artifacts import MANIFEST, export_per_policy, load_per_policy
+from kernelpolicy.artifacts import MANIFEST, _manifest, export_per_policy, load_per_policy
 from kernelpolicy.testing import DemoModel
 
 X = torch.randn(2, 16, generator=torch.Generator().manual_seed(0))
@@ -312,7 +311,7 @@ def test_a_manifest_in_another_encoding_loads_and_one_that_cannot_be_read_names_
 READ = """
 import sys
 from pathlib import Path
-from kernelpolicy._manifest import read_manifest
+from kernelpolicy.artifacts._manifest import read_manifest
 
 try:
     read_manifest(Path(sys.argv[1]))

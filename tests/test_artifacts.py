@@ -181,7 +181,7 @@ def test_loading_a_folder_without_a_manifest_says_what_to_do(tmp_path: Path) -> 
 
 # --- compiled programs persisted by torch: aot_compile and caching precompile -------------------------------
 # A persisted program keeps the path of its trace and carries a check of the policy it was traced under
-# (kernelpolicy._persisted): called under a policy on which a layer would take another path, it raises
+# (kernelpolicy._forward._persisted): called under a policy on which a layer would take another path, it raises
 # ArtifactPolicyError naming both policies. Each test compiles in one process and calls in a second one.
 
 POLICIES = ("prefer", "disable", "prefer,RMSNorm=disable", "require")

@@ -19,8 +19,10 @@ import pytest
 import torch
 
 import kernelpolicy as kp
-from kernelpolicy import _active, _autoattach, _watch
-from kernelpolicy._aware import binding_of
+from kernelpolicy._attach import _autoattach
+from kernelpolicy._attach._aware import binding_of
+from kernelpolicy._context import _active
+from kernelpolicy._forward import _watch
 from kernelpolicy.testing import DemoModel, RMSNorm, kernel_calls, tiny_llama
 
 X = torch.ones(2, 16)

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kernelpolicy as kp
-from kernelpolicy import _active
+from kernelpolicy._context import _active
 
 PIECES = [
     "prefer", "disable", "require", "verify", "mode", "RMSNorm", "SiLU", "kernel:fast", "kernel:a|b", "=", ",",

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 import kernelpolicy as kp
-from kernelpolicy import _mixing, batching
+from kernelpolicy import batching
+from kernelpolicy._forward import _mixing
 from kernelpolicy.testing import kernelize_locally, rms_norm_kernel_source, tiny_llama, write_kernel_repo
 
 transformers = pytest.importorskip("transformers")

@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 import kernelpolicy as kp
-from kernelpolicy._attach import _kernels_mode
-from kernelpolicy._aware import binding_of
+from kernelpolicy._attach._attach import _kernels_mode
+from kernelpolicy._attach._aware import binding_of
 from kernelpolicy.testing import DemoModel, RMSNorm, kernelize_locally
 
 X = torch.randn(3, 16, generator=torch.Generator().manual_seed(1))

@@ -21,10 +21,10 @@ from _helpers import graph_breaks, kernel_ran
 from torch import nn
 
 import kernelpolicy as kp
-from kernelpolicy import _call_fold
-from kernelpolicy._aware import binding_of
-from kernelpolicy._call_fold import _aware_call
-from kernelpolicy._doctor import _fast_call
+from kernelpolicy._attach._aware import binding_of
+from kernelpolicy._forward import _call_fold
+from kernelpolicy._forward._call_fold import _aware_call
+from kernelpolicy._tell._doctor import _fast_call
 from kernelpolicy.testing import DemoModel, kernel_calls
 
 X = torch.randn(3, 16, generator=torch.Generator().manual_seed(5))

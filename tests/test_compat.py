@@ -14,8 +14,9 @@ import pytest
 import torch
 
 import kernelpolicy as kp
-from kernelpolicy import _compat, _state
+from kernelpolicy import _compat
 from kernelpolicy._compat import INTERNALS, Found, Internal, UnsupportedVersionError, check_version, lookup, probe
+from kernelpolicy._context import _state
 
 
 def test_every_private_name_is_present_on_this_torch() -> None:
@@ -267,7 +268,7 @@ def test_every_private_name_read_outside_compat_is_in_its_table() -> None:
     package = pathlib.Path(kp.__file__).parent
     uncovered = {
         path.name: found
-        for path in sorted(package.glob("*.py"))
+        for path in sorted(package.rglob("*.py"))
         if path.name != "_compat.py" and (found := _uncovered(path.read_text()))
     }
     assert uncovered == {}

@@ -20,7 +20,7 @@ from _helpers import NAMES, CountingBackend, graph_breaks, kernel_ran, three_ker
 from torch import nn
 
 import kernelpolicy as kp
-from kernelpolicy._policy import MODES
+from kernelpolicy._values._policy import MODES
 from kernelpolicy.testing import DemoModel
 
 X = torch.randn(2, 16, generator=torch.Generator().manual_seed(4))

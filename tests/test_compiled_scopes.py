@@ -1,4 +1,4 @@
-"""Scopes entered inside compiled code: no graph break, the scope's path, the right guards (kernelpolicy._traced).
+"""Scopes entered inside compiled code: no graph break, the scope's path, the right guards (kernelpolicy._context._traced).
 
 The RMSNorm kernel under test adds 100 (``kernel_ran``); the layers are a kernelized ``DemoModel``'s.
 """
@@ -18,7 +18,7 @@ from _helpers import CountingBackend, graph_breaks, kernel_ran
 from torch import nn
 
 import kernelpolicy as kp
-from kernelpolicy import _active
+from kernelpolicy._context import _active
 from kernelpolicy.testing import DemoModel
 
 X = torch.randn(2, 16, generator=torch.Generator().manual_seed(5))
@@ -251,7 +251,7 @@ GENERATORS_UNDER_COMPILE = """
 import asyncio, json, pathlib, sys, tempfile, threading
 import torch
 import kernelpolicy as kp
-from kernelpolicy import _active
+from kernelpolicy._context import _active
 from kernelpolicy.testing import DemoModel, kernelize_locally, rms_norm_kernel_source, write_kernel_repo
 
 repo = write_kernel_repo(pathlib.Path(tempfile.mkdtemp()), rms_norm_kernel_source(offset=100.0, can_torch_compile=True))

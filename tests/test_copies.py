@@ -23,7 +23,7 @@ from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import spectral_norm, weight_norm
 
 import kernelpolicy as kp
-from kernelpolicy._aware import binding_of
+from kernelpolicy._attach._aware import binding_of
 from kernelpolicy.testing import kernelize_locally, rms_norm_kernel_source, tiny_llama, write_kernel_repo
 
 X = torch.randn(2, 3, generator=torch.Generator().manual_seed(0))

@@ -59,8 +59,8 @@ def test_the_anchor_rule_is_githubs() -> None:
 
 def test_design_shows_the_forwards_as_generated() -> None:
     """docs/design.md prints the four generated forwards; they must be what ``_dispatch`` compiles today."""
-    from kernelpolicy import _state
-    from kernelpolicy._dispatch import forward_source
+    from kernelpolicy._context import _state
+    from kernelpolicy._forward._dispatch import forward_source
 
     def forward(self: object, hidden_states: object) -> None: ...
 

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from kernelpolicy._doctor import _persistence, doctor
+from kernelpolicy._tell._doctor import _persistence, doctor
 
 
 def test_doctor_passes_on_this_torch() -> None:
@@ -45,7 +45,7 @@ def test_doctor_says_when_transformers_runs_no_hub_kernels(monkeypatch: pytest.M
     """
     from transformers.utils import import_utils
 
-    from kernelpolicy._doctor import _transformers_integration
+    from kernelpolicy._tell._doctor import _transformers_integration
 
     def is_kernels_available(MIN_VERSION: str = "0.18.0", MAX_VERSION: str = "0.19.0") -> bool:  # noqa: N803
         return False

@@ -12,8 +12,9 @@ from typing import TYPE_CHECKING
 import pytest
 
 import kernelpolicy as kp
-from kernelpolicy import Policy, _active, current_policy, kernel_policy
-from kernelpolicy._policy import ENV_VAR
+from kernelpolicy import Policy, current_policy, kernel_policy
+from kernelpolicy._context import _active
+from kernelpolicy._values._policy import ENV_VAR
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator

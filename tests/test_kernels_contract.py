@@ -37,8 +37,8 @@ import torch
 from torch import nn
 
 import kernelpolicy
-from kernelpolicy._attach import kernel_modules
-from kernelpolicy._aware import binding_of
+from kernelpolicy._attach._attach import kernel_modules
+from kernelpolicy._attach._aware import binding_of
 from kernelpolicy.testing import local_mapping, rms_norm_kernel_source, write_kernel_repo
 
 Mode = kernels.Mode

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import kernelpolicy as kp
-from kernelpolicy import _mixing
+from kernelpolicy._forward import _mixing
 from kernelpolicy.testing import kernelize_locally, write_kernel_repo
 
 HIDDEN = 8

@@ -19,9 +19,12 @@ import pytest
 import torch
 
 import kernelpolicy as kp
-from kernelpolicy import _active, _autoattach, _compat, _watch
-from kernelpolicy._aware import binding_of
+from kernelpolicy import _compat
+from kernelpolicy._attach import _autoattach
+from kernelpolicy._attach._aware import binding_of
 from kernelpolicy._compat import Internal
+from kernelpolicy._context import _active
+from kernelpolicy._forward import _watch
 from kernelpolicy.testing import DemoModel
 
 X = torch.ones(2, 16)
@@ -232,7 +235,8 @@ setattr(_compat, entry, moved)
 _compat.INTERNALS = tuple(moved if found is internal else found for found in _compat.INTERNALS)
 
 import kernelpolicy as kp
-from kernelpolicy import _doctor, _state
+from kernelpolicy._context import _state
+from kernelpolicy._tell import _doctor
 from kernelpolicy.testing import DemoModel, kernelize_locally, rms_norm_kernel_source, write_kernel_repo
 
 root = pathlib.Path(tempfile.mkdtemp())

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kernelpolicy as kp
-from kernelpolicy._policy import MODES
+from kernelpolicy._values._policy import MODES
 
 LAYER_NAMES = ("RMSNorm", "SiLU", "GELU", "LayerNorm", "Attention")
 VALID_MODES_TEXT = ("'prefer'", "'disable'", "'require'")
@@ -117,7 +117,7 @@ def test_a_policy_holds_its_value_only() -> None:
 
 
 def test_active_objects_are_interned_per_policy_and_recording() -> None:
-    from kernelpolicy._active import activate
+    from kernelpolicy._context._active import activate
 
     policy = kp.Policy("disable", RMSNorm="require")
     active = activate(policy)
@@ -128,7 +128,7 @@ def test_active_objects_are_interned_per_policy_and_recording() -> None:
 
 
 def test_interning_is_thread_safe() -> None:
-    from kernelpolicy._active import activate
+    from kernelpolicy._context._active import activate
 
     barrier = threading.Barrier(8)
     results: list[list[object]] = [[] for _ in range(8)]
@@ -160,7 +160,7 @@ def test_pickle_by_value(protocol: int) -> None:
 
 
 def test_a_tampered_pickle_is_checked() -> None:
-    from kernelpolicy._policy import _restore
+    from kernelpolicy._values._policy import _restore
 
     with pytest.raises(kp.PolicyError, match="unknown kernel policy mode 'fast'"):
         _restore("prefer", (("RMSNorm", "fast"),), (None, None, "raise", None, (), None))

@@ -274,7 +274,7 @@ def test_a_carried_variant_policy_is_checked_where_its_variants_are_bound() -> N
     """In a worker the variants a carried policy names are bound later, by its task: neither carrier refuses them."""
     from _workers import policy_text
 
-    from kernelpolicy._propagate import _propagated
+    from kernelpolicy._context._propagate import _propagated
 
     carried = kp.Policy.parse("prefer,CarriedNorm=kernel:elsewhere")  # bound in the process it came from only
     assert _propagated(policy_text, carried)() == str(carried)  # what a pool worker rebuilds

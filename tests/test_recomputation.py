@@ -4,7 +4,7 @@ torch's own checkpointing, called directly: ``torch.utils.checkpoint.checkpoint`
 ``checkpoint_sequential``, torch.distributed's ``checkpoint_wrapper`` and ``apply_activation_checkpointing``
 (applied before or after ``kernelize``) and FSDP2 (``fully_shard`` on a one-rank gloo group) with activation
 checkpointing. Nothing of kernelpolicy's is handed to torch: the replay comes from the forwards themselves
-(``kernelpolicy._replay``). Each step's gradients are compared with a step without checkpointing under the
+(``kernelpolicy._forward._replay``). Each step's gradients are compared with a step without checkpointing under the
 forward's policy; the test kernel adds 100, so a recomputation on the other path changes every gradient
 before it. The kernel's call counter during ``backward()`` counts the recomputations on the kernel.
 """
@@ -24,7 +24,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
 import kernelpolicy as kp
-from kernelpolicy import _compat, _replay
+from kernelpolicy import _compat
+from kernelpolicy._forward import _replay
 from kernelpolicy.testing import DemoModel, kernel_calls, one_rank_process_group
 from kernelpolicy.training import RecomputationError
 
@@ -263,7 +264,7 @@ def test_records_live_as_long_as_the_graph(training_model: DemoModel) -> None:
 
 
 def _binding_of(module: nn.Module) -> Any:
-    from kernelpolicy._aware import binding_of
+    from kernelpolicy._attach._aware import binding_of
 
     found = binding_of(module)
     assert found is not None

@@ -12,7 +12,7 @@ import pytest
 
 import kernelpolicy as kp
 from kernelpolicy import Policy, current_policy, kernel_policy
-from kernelpolicy._policy import MODES
+from kernelpolicy._values._policy import MODES
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterator

@@ -11,7 +11,7 @@ import pytest
 
 import kernelpolicy as kp
 from kernelpolicy import Policy, current_policy, kernel_policy
-from kernelpolicy._policy import MODES
+from kernelpolicy._values._policy import MODES
 
 # One scope object shared by every thread and task in this module.
 SHARED_SCOPE = kernel_policy(RMSNorm="disable")

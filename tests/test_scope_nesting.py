@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import kernelpolicy as kp
 from kernelpolicy import Policy, current_policy, kernel_policy
-from kernelpolicy._policy import MODES
+from kernelpolicy._values._policy import MODES
 
 LAYERS = ("RMSNorm", "SiLU", "GELU", "LayerNorm")
 UNNAMED = "NeverNamed"

@@ -29,8 +29,8 @@ from hypothesis import strategies as st
 
 import kernelpolicy as kp
 from kernelpolicy import _compat
-from kernelpolicy._access import MAX_ENTRIES, MAX_VARIANTS, OTHER, Access
 from kernelpolicy.serving import HEADER, MAX_HEADER, PolicyHeader, parse_header
+from kernelpolicy.serving._access import MAX_ENTRIES, MAX_VARIANTS, OTHER, Access
 from kernelpolicy.testing import free_port, wait_for_health
 
 PROMPTS = [[5, 6, 7], [9, 8], [40, 41, 42, 43], [100], [7, 7, 7], [200, 3], [11, 12, 13], [60, 61]]
@@ -588,16 +588,16 @@ def test_the_models_process_counts_calls_fallbacks_trips_and_kernel_errors(tmp_p
     from prometheus_client import REGISTRY, generate_latest
     from torch import nn
 
-    from kernelpolicy import _metrics
-    from kernelpolicy._scope import _recording_scope
+    from kernelpolicy._context._scope import _recording_scope
+    from kernelpolicy.serving import _metrics
     from kernelpolicy.testing import RMSNorm, kernelize_locally, write_kernel_repo
 
     source = "import torch\nfrom torch import nn\n\n\nclass RMSNorm(nn.Module):\n    def forward(self, x):\n"
     source += "        if x.shape[0] == 3:\n            raise RuntimeError('a batch of 3')\n        return x + 100.0\n"
     repo = write_kernel_repo(tmp_path / "failing", source, name="failing-rmsnorm")
     model = kernelize_locally(nn.Sequential(RMSNorm(8)).eval(), {"RMSNorm": repo})
-    from kernelpolicy._binding import ON_STOPPED
-    from kernelpolicy._verify import COMPARED
+    from kernelpolicy._forward._binding import ON_STOPPED
+    from kernelpolicy._forward._verify import COMPARED
 
     hooks = (list(ON_STOPPED), list(COMPARED))
     _metrics.install_engine()

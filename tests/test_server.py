@@ -30,7 +30,7 @@ from starlette.testclient import TestClient  # noqa: E402
 import kernelpolicy as kp  # noqa: E402
 from examples.kernelpolicy_server import HEADER, MAX_NEW_TOKENS, create_app, not_served_message  # noqa: E402
 from examples.kernelpolicy_server.loadtest import ALLOWED, CASES, main, parser_message  # noqa: E402
-from kernelpolicy._policy import MODES  # noqa: E402
+from kernelpolicy._values._policy import MODES  # noqa: E402
 
 PROMPT = [5, 17, 99, 3, 250, 0, 42, 8]
 STEPS = 3

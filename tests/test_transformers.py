@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import kernelpolicy as kp
-from kernelpolicy._aware import binding_of
+from kernelpolicy._attach._aware import binding_of
 from kernelpolicy.testing import kernel_calls, kernelize_locally, tiny_llama
 
 pytest.importorskip("transformers")

@@ -1,0 +1,581 @@
+"""Making modules and classes policy-aware, and keeping them so through kernels, copies and pickles.
+
+This module owns :func:`binding_of` (a module's :class:`~kernelpolicy._forward._binding.Binding`) and how a module
+becomes policy-aware (``_make_aware``, ``_bind``), called by ``attach`` and ``kernelize`` (``_attach``) and
+by classes marked with ``use_kernel_forward_from_hub``.
+
+
+How a module becomes policy-aware. ``kernels.kernelize`` binds a kernel with
+``module.forward = MethodType(kernel_layer.forward, module)`` and rebinds on
+every call (transformers calls it again on ``model.train()`` / ``.eval()``).
+kernelpolicy gives the *instance* (never its class, never other instances) a
+cached subclass of its class, the way ``torch.nn.utils.parametrize`` does,
+with the same name and module. That subclass:
+
+- intercepts ``module.forward = ...`` in ``__setattr__``: the assigned forward
+  becomes the bound kernel (or "no kernel" when it is the class's own
+  forward) and the instance keeps the policy-aware dispatcher, so a later
+  ``kernels.kernelize`` updates the kernel and never removes kernelpolicy;
+- overrides ``_slow_forward``, which ``nn.Module`` calls instead of
+  ``forward`` while ``torch.jit.trace`` runs, so jit tracing is detected at
+  no cost in eager mode;
+- overrides ``__call__`` with :func:`_aware_call`, ``nn.Module.__call__`` and
+  ``_call_impl`` folded into one frame (see there), unless the class defines
+  its own ``__call__``, ``_wrapped_call_impl`` or ``_call_impl``, or torch's
+  call path reads other names than the one it was checked against
+  (:data:`FAST_CALL`);
+- deep-copies with its kernel and pickles as the original class (the kernel,
+  which lives in a dynamically loaded module, is dropped, as ``kernels``
+  itself does; re-kernelize after loading).
+
+The dispatcher itself is an instance attribute (``module.__dict__["forward"]``,
+a plain closure built by ``_dispatch.make_forward``), so ``module(x)`` pays no
+descriptor call.
+
+Features plug in here through two hook lists they append to when imported (the
+package imports them before its first binding): this module imports none of
+them. (``_attach.ATTACH_HOOKS`` is the third.)
+
+- :data:`NO_ORIGINAL`: called for each class forward a module is bound with,
+  as ``check(forward)``; a string says why there is no original forward
+  (transformers' fused layouts), and a call that would run it raises.
+- :data:`ORIGINALS`: called likewise as ``replace(forward, layer_name)``; a
+  function returned is the module's original forward instead (transformers'
+  functions with a package fallback: the torch path under ``disable``).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import inspect
+import sys
+import types
+import weakref
+from contextvars import ContextVar
+from typing import TYPE_CHECKING, Any, Final, TypeGuard, cast
+
+import torch
+from torch import nn
+
+from .. import _compat
+from .._context._active import in_effect, register_variant
+from .._forward import _call_fold, _watch
+from .._forward._binding import BINDING, ON_CLASS_PATCH, Binding, kernel_of, redirect
+from .._forward._call_fold import _aware_call, _plain_call, _skip_as_dynamo_frame
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+
+__all__ = ["KERNELIZING", "NO_ORIGINAL", "ORIGINALS", "binding_of", "bound_by_hand", "bound_forward"]
+
+_compat.check_torch()
+
+_OURS = ("forward", BINDING)
+# Original class -> its policy-aware subclass, both held weakly: a class defined at run time
+# (a notebook cell, a test, remote code) is collected with its instances, as without kernelpolicy.
+_AWARE_CLASSES: weakref.WeakKeyDictionary[type[nn.Module], weakref.ref[type[nn.Module]]] = weakref.WeakKeyDictionary()
+
+
+NO_ORIGINAL: list[Callable[[Callable[..., Any]], str | None]] = []
+#: ``replace(class_forward, layer_name) -> original or None``: another original forward (see the module docstring).
+ORIGINALS: list[Callable[[Callable[..., Any], str], Callable[..., Any] | None]] = []
+#: True while :func:`kernelize` runs ``kernels.kernelize``: it attaches the model itself, with its options.
+KERNELIZING: ContextVar[bool] = ContextVar("kernelpolicy.kernelizing", default=False)
+# The variant name :func:`kernelize` binds kernels under while kernels.kernelize runs (None: the default kernel).
+_VARIANT: ContextVar[str | None] = ContextVar("kernelpolicy.variant", default=None)
+# Kernel layer name -> its policy-aware modules alive, so that a new rule rebuilds their forwards.
+_AWARE_MODULES: dict[str, weakref.WeakSet[nn.Module]] = {}
+
+
+def binding_of(module: nn.Module) -> Binding | None:
+    """The binding of a policy-aware module, or None.
+
+    Takes in first a forward kernels removed behind the module's back (see :func:`_resync`).
+    """
+    if "forward" not in module.__dict__:
+        _resync(module)
+    return _stored_binding(module)
+
+
+def _stored_binding(module: nn.Module) -> Binding | None:
+    found = module.__dict__.get(BINDING)
+    return found if isinstance(found, Binding) else None
+
+
+def _resync(module: nn.Module) -> None:
+    """After kernels bound ``module``: take in what it did around ``module.forward = ...``.
+
+    kernels >= 0.19 falls back by popping the instance forward out of ``module.__dict__`` (no
+    ``__delattr__``): for a policy-aware module that removes the dispatcher, so the module would run its
+    original forward under every policy while its binding still named the old kernel. Here that becomes
+    what kernels meant, "no kernel" (or, while :func:`kernelize` binds a variant, "no such variant"). Called
+    by the watch on kernels' binding function (``_watch``), by :func:`kernelize` after kernels is done, by
+    :func:`attach`, and by :func:`binding_of`, so that ``explain``, ``require`` and copies are right even where
+    kernels' binding function cannot be watched.
+    """
+    binding = _stored_binding(module)
+    if binding is not None and "forward" not in module.__dict__:
+        _bind(module, None, binding.module_name)
+
+
+_watch.ON_BIND.append(_resync)
+
+# --- making modules and classes aware ---------------------------------------------------------
+
+
+def _make_aware(module: nn.Module, module_name: str | None) -> None:
+    existing = binding_of(module)  # resynced: a forward kernels removed is taken in
+    if existing is not None:
+        if module_name is not None and existing.module_name is None:
+            existing.module_name = module_name
+        return
+    cls = type(module)
+    if not getattr(cls, "_kernelpolicy_aware", False):
+        module.__class__ = _aware_class(cls)
+    assigned = module.__dict__.get("forward")
+    if assigned is None or _kernels_form(assigned, module):
+        _bind(module, assigned, module_name)
+        return
+    # Another library's forward around the module's (accelerate's hook keeps the one it wraps in
+    # ``_old_forward`` and calls it there): the kernel is what it wraps, the wrapper stays around the dispatch.
+    inner = module.__dict__.get(_WRAPPED)
+    _bind(module, inner if _kernels_form(inner, module) else None, module_name)
+    binding = _stored_binding(module)
+    assert binding is not None
+    binding.wrapper = assigned
+    module.__dict__["forward"] = assigned
+    if inner is not None:
+        module.__dict__[_WRAPPED] = binding.dispatcher
+
+
+#: Where accelerate's hooks keep the forward they wrap (``add_hook_to_module``), and call it from.
+_WRAPPED: Final = _compat.ACCELERATE_WRAPPED
+
+
+def _kernels_form(forward: Any, module: nn.Module) -> TypeGuard[types.MethodType]:
+    """Whether ``forward`` has the form of kernels' binding: a function bound to ``module`` as a method."""
+    return isinstance(forward, types.MethodType) and forward.__self__ is module
+
+
+def _bind(module: nn.Module, assigned: Any, module_name: str | None) -> None:
+    """Bind ``assigned`` (what was set as ``module.forward``) as the module's kernel, or as the variant being bound."""
+    _skip_as_dynamo_frame()
+    _watch.watch()
+    original = _class_forward(module)
+    kernel = _kernel_function(module, assigned, original)
+    kernel_class = _kernel_class(kernel)
+    repository = None  # known once kernels is done binding: Binding.kernel_name asks _compat
+    existing = _stored_binding(module)
+    variant = _VARIANT.get()
+    if variant is not None and existing is not None:
+        if kernel is None:
+            existing.variants.pop(variant, None)
+        else:
+            existing.variants[variant] = kernel_of(kernel, kernel_class, repository)
+            register_variant(existing.layer_name, variant)
+        existing.install()
+        return
+    no_original = next((reason for check in NO_ORIGINAL if (reason := check(original)) is not None), None)
+    layer_name = str(type(module).kernel_layer_name)  # type: ignore[attr-defined]
+    original = next((found for replace in ORIGINALS if (found := replace(original, layer_name))), original)
+    binding = Binding(
+        module=module,
+        module_name=module_name,
+        layer_name=layer_name,
+        original=_on_own_module(module, original),
+        kernel=kernel,
+        kernel_class=kernel_class,
+        repository=repository,
+        no_original=no_original,
+    )
+    if existing is not None:
+        binding.variants = existing.variants  # kernelized again (train()/eval()): the variants stay
+        binding.wrapper = existing.wrapper  # and another library's wrapper stays around the new forward
+    module.__dict__[BINDING] = binding
+    binding.install(None if existing is None else existing.dispatcher)
+    _AWARE_MODULES.setdefault(binding.layer_name, weakref.WeakSet()).add(module)
+
+
+def _rebind_class_patched(module: nn.Module) -> None:
+    """Bind ``module`` again with the same kernel: its class's forward (patched since) is the original now."""
+    binding = module.__dict__[BINDING]
+    kernel = None if binding.kernel is None else types.MethodType(binding.kernel, module)
+    _bind(module, kernel, binding.module_name)
+
+
+ON_CLASS_PATCH.append(_rebind_class_patched)
+
+
+def _assign_forward(module: nn.Module, value: Any) -> None:
+    """``module.forward = value`` on a policy-aware module: only kernels' binding is a kernel.
+
+    Kernels' binding is what kernels assigns while its binding function runs (``_watch.kernels_binding``), and any
+    assignment of kernels' form, a function bound to the module as a method (``MethodType(layer.forward,
+    module)``, which is also how code binds a kernel by hand), and every assignment where kernels' binding
+    function cannot be watched. The module's own dispatcher assigned back (``f = m.forward; m.forward = f``,
+    accelerate's ``remove_hook_from_module``) puts the dispatch back. Anything else (accelerate's hooks, a
+    ``functools.partial``, a plain function) becomes the forward around the dispatch it wraps, as it would on
+    a plain module; ``del module.forward`` removes it.
+    """
+    binding = module.__dict__[BINDING]
+    if value is binding.dispatcher:
+        binding.wrapper = None
+        module.__dict__["forward"] = value
+    elif _watch.kernels_binding() or not _watch.watching() or _kernels_form(value, module):
+        by_hand = _watch.watching() and not _watch.kernels_binding()
+        _bind(module, value, binding.module_name)
+        kernel = module.__dict__[BINDING].kernel
+        if by_hand and kernel is not None:
+            _BY_HAND[module] = kernel
+    else:
+        binding.wrapper = value
+        module.__dict__["forward"] = value
+
+
+# Module -> the kernel bound on it by hand (``module.forward = MethodType(f, module)`` outside kernels), for explain.
+_BY_HAND: weakref.WeakKeyDictionary[nn.Module, Callable[..., Any]] = weakref.WeakKeyDictionary()
+
+
+def bound_by_hand(module: nn.Module) -> bool:
+    """Whether the kernel of a policy-aware ``module`` was bound as a method by hand, not by kernels' binding."""
+    binding = _stored_binding(module)
+    return binding is not None and binding.kernel is not None and _BY_HAND.get(module) is binding.kernel
+
+
+def _on_own_module(module: nn.Module, original: Callable[..., Any]) -> Callable[..., Any]:
+    """``original``, run on ``module`` itself whatever module the call names, for kernels' function wrappers.
+
+    A kernels >= 0.19 function module routes a call by the module it runs on (``_compat.routes_by_module``):
+    under compile the function's global module calls a model's wrapper's forward with itself as ``self``, and
+    the original forward run on the global module would route the call back to the wrapper, without end.
+    """
+    if not _compat.routes_by_module(original):
+        return original
+
+    @functools.wraps(original)
+    def forward(_module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return original(module, *args, **kwargs)
+
+    return forward
+
+
+def bound_forward(module: nn.Module) -> types.MethodType | None:
+    """The forward bound on ``module`` itself in place of its class's, or None (the one test of "bound a kernel").
+
+    kernels binds a kernel as ``module.forward = MethodType(kernel_forward, module)``, and so does
+    kernelpolicy with its policy-aware forward: :func:`binding_of` tells the two apart.
+    """
+    assigned = module.__dict__.get("forward")
+    if not _kernels_form(assigned, module):
+        return None
+    return None if assigned.__func__ is _class_forward(module) else assigned
+
+
+def _kernel_function(module: nn.Module, assigned: Any, original: Callable[..., Any]) -> Callable[..., Any] | None:
+    """The kernel ``assigned`` binds (called as ``kernel(module, ...)``), or None for the class's own forward."""
+    if assigned is None:
+        return None
+    if _kernels_form(assigned, module):
+        return None if assigned.__func__ is original else assigned.__func__
+    if callable(assigned):
+        bound = assigned
+        return functools.wraps(bound)(lambda _module, *args, **kwargs: bound(*args, **kwargs))
+    return None
+
+
+def _class_forward(module: nn.Module) -> Callable[..., Any]:
+    return cast("Callable[..., Any]", inspect.getattr_static(type(module), "forward"))
+
+
+def _kernel_class(kernel: Callable[..., Any] | None) -> type | None:
+    """The kernel layer class whose ``forward`` ``kernel`` is, when it can be found from the function."""
+    if kernel is None:
+        return None
+    owner: Any = sys.modules.get(getattr(kernel, "__module__", "") or "")
+    for part in getattr(kernel, "__qualname__", "").split(".")[:-1]:
+        owner = getattr(owner, part, None)
+    return owner if inspect.isclass(owner) else None
+
+
+def _aware_class(cls: type[nn.Module]) -> type[nn.Module]:
+    ref = _AWARE_CLASSES.get(cls)
+    found = ref() if ref is not None else None
+    if found is None:
+        namespace: dict[str, Any] = {
+            "__module__": cls.__module__,
+            "__qualname__": cls.__qualname__,
+            "__doc__": cls.__doc__,
+            "_kernelpolicy_original": cls,
+        }
+        namespace.update(_aware_members(cls))
+        found = type(cls.__name__, (cls,), namespace)
+        _AWARE_CLASSES[cls] = weakref.ref(found)
+    return found
+
+
+def _make_class_aware(cls: type[nn.Module]) -> None:
+    if cls.__dict__.get("_kernelpolicy_aware"):
+        return
+    for name, member in _aware_members(cls).items():
+        setattr(cls, name, member)
+    original_init = cls.__dict__.get("__init__") or cls.__init__
+
+    @functools.wraps(original_init)
+    def __init__(self: nn.Module, *args: Any, **kwargs: Any) -> None:
+        original_init(self, *args, **kwargs)
+        if binding_of(self) is None:
+            _bind(self, self.__dict__.get("forward"), None)
+
+    cls.__init__ = __init__  # type: ignore[method-assign]
+
+
+def _aware_members(cls: type[nn.Module]) -> dict[str, Any]:
+    """``__setattr__``, ``__delattr__``, ``_slow_forward``, ``__call__`` and copy support for an aware class."""
+    parent_setattr = cls.__setattr__
+    parent_delattr = cls.__delattr__
+    parent_slow_forward: Callable[..., Any] = cls._slow_forward
+
+    def __setattr__(self: nn.Module, name: str, value: Any) -> None:
+        if name == "forward" and BINDING in self.__dict__:
+            _assign_forward(self, value)
+        else:
+            parent_setattr(self, name, value)
+
+    def __delattr__(self: nn.Module, name: str) -> None:
+        binding = self.__dict__.get(BINDING)
+        if name == "forward" and isinstance(binding, Binding):
+            if binding.wrapper is not None:  # the wrapper goes: the policy's dispatch is the forward again
+                binding.wrapper = None
+                self.__dict__["forward"] = binding.dispatcher
+            else:
+                _bind(self, None, binding.module_name)
+        else:
+            parent_delattr(self, name)
+
+    def _slow_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        binding = binding_of(self)
+        tracing_state = torch._C._get_tracing_state()
+        if binding is None or not tracing_state:
+            return parent_slow_forward(self, *args, **kwargs)
+        # As nn.Module._slow_forward does: record this module's scope in the trace.
+        module_map = torch.jit._trace._trace_module_map
+        scope = module_map.get(self) if module_map is not None else None
+        if scope:
+            tracing_state.push_scope(scope)
+        try:
+            # The same table entry the eager forward reads, so recorded calls are counted here too.
+            mode = getattr(in_effect().modes, binding.layer_name)
+            return binding.slow_path(mode, args, kwargs, "jit")
+        finally:
+            if scope:
+                tracing_state.pop_scope()
+
+    def __reduce_ex__(self: nn.Module, protocol: Any) -> Any:
+        if _foreign(self):  # a subclass another library made (torch's parametrizations): pickled as it says
+            return object.__reduce_ex__(self, protocol)
+        getstate = getattr(_original_class(self), "__getstate__", None)
+        if getstate is not None and getstate is not nn.Module.__getstate__:
+            getstate(self)  # a class that refuses pickling (parametrized modules) refuses it here too
+        binding = binding_of(self)
+        dropped = binding.kernel_name() if binding is not None else None
+        return (_restore, (_original_class(self), _own_state(self), None, _module_name(self), dropped))
+
+    def __copy__(self: nn.Module) -> nn.Module:
+        return _copied(self, _own_state(self))  # shallow, as copy.copy: parameters and buffers are shared
+
+    def __deepcopy__(self: nn.Module, memo: dict[int, Any]) -> nn.Module:
+        return _copied(self, _own_state(self), memo)
+
+    members: dict[str, Any] = {
+        "_kernelpolicy_aware": True,
+        "__setattr__": __setattr__,
+        "__delattr__": __delattr__,
+        "_slow_forward": _slow_forward,
+        "__reduce_ex__": __reduce_ex__,
+        "__copy__": __copy__,
+        "__deepcopy__": __deepcopy__,
+    }
+    if _call_fold.FAST_CALL and _plain_call(cls):
+        members["__call__"] = _aware_call
+    members.update(_own_copy_members(cls))
+    return members
+
+
+def _own_copy_members(cls: type[nn.Module]) -> dict[str, Any]:
+    """Copy and pickle support for a class that has its own (kernels >= 0.19's function wrappers).
+
+    Such a class copies and pickles itself with its kernel (a wrapper is rebuilt by name and gets its
+    kernel's forward back). Its own ``__copy__`` and ``__reduce__`` run here on a plain view of the module, as
+    kernels left it (:func:`_as_kernels_bound`), and the result is made policy-aware again.
+
+    An instance kernelpolicy has not bound (a per-model wrapper kernels builds, ``type(function)()``, of a
+    function marked with kernelpolicy's ``use_kernel_forward_from_hub``, not attached yet) is a plain module
+    to kernelpolicy: its class's own code copies and pickles it as it is, with a forward bound on it by hand
+    (``wrapper.forward = MethodType(f, wrapper)``), and the copy is not bound either.
+    """
+    members: dict[str, Any] = {}
+    parent_copy = _defined_below_module(cls, "__copy__")
+    parent_deepcopy = _defined_below_module(cls, "__deepcopy__")
+    parent_reduce = _defined_below_module(cls, "__reduce__")
+    parent_setstate: Callable[..., Any] = cls.__setstate__
+
+    if parent_copy is not None:
+
+        def __copy__(self: nn.Module) -> nn.Module:
+            if binding_of(self) is None:
+                return cast("nn.Module", parent_copy(self))
+            new: nn.Module = parent_copy(_as_kernels_bound(self))
+            _make_copy_aware(new, self)
+            return new
+
+        members["__copy__"] = __copy__
+    if parent_deepcopy is not None:
+
+        def __deepcopy__(self: nn.Module, memo: dict[int, Any]) -> nn.Module:
+            if binding_of(self) is None:
+                return cast("nn.Module", parent_deepcopy(self, memo))
+            return _copied(self, _own_state(self), memo)
+
+        members["__deepcopy__"] = __deepcopy__
+    if parent_reduce is not None:
+
+        def __reduce_ex__(self: nn.Module, protocol: Any) -> Any:
+            by_name = parent_reduce(self)
+            if isinstance(by_name, str) or binding_of(self) is None:
+                return by_name  # the function's global module, pickled by its name; or a module not bound
+            rebuild, arguments, *state = parent_reduce(_as_kernels_bound(self))
+            return (_restore_reduced, (rebuild, arguments, _module_name(self)), *state)
+
+        def __setstate__(self: nn.Module, state: Any) -> None:
+            pending = self.__dict__.pop(_PENDING, None)
+            parent_setstate(self, state)
+            if pending is not None:
+                _make_aware(self, pending[0])
+
+        members["__reduce_ex__"] = __reduce_ex__
+        members["__setstate__"] = __setstate__
+    return members
+
+
+def _defined_below_module(cls: type, name: str) -> Callable[..., Any] | None:
+    """``cls``'s own ``name`` (itself or a base below ``nn.Module``), or None if it only has nn.Module's or object's."""
+    for klass in cls.__mro__:
+        if klass is nn.Module or klass is object:
+            return None
+        if name in vars(klass) and not getattr(klass, "_kernelpolicy_aware", False):
+            return cast("Callable[..., Any]", vars(klass)[name])
+    return None
+
+
+_PENDING = "_kernelpolicy_pending"
+
+
+def _as_kernels_bound(module: nn.Module) -> nn.Module:
+    """A plain instance of ``module``'s original class with its own state and its kernel bound as kernels binds it."""
+    cls = _original_class(module)
+    view = cls.__new__(cls)
+    view.__dict__.update(_own_state(module))
+    binding = binding_of(module)
+    if binding is not None and binding.kernel is not None:
+        view.__dict__["forward"] = types.MethodType(binding.kernel, view)
+    return view
+
+
+def _make_copy_aware(new: nn.Module, source: nn.Module) -> None:
+    """Make ``new``, a copy of ``source`` made by its class's own code, policy-aware with ``source``'s variants."""
+    if not getattr(type(new), "_kernelpolicy_aware", False):
+        new.__class__ = _aware_class(type(new))
+    _make_aware(new, _module_name(source))
+    _copy_variants(source, new)
+
+
+def _restore_reduced(
+    rebuild: Callable[..., nn.Module], arguments: tuple[Any, ...], module_name: str | None
+) -> nn.Module:
+    """Unpickling a module pickled by its class's own ``__reduce__``: rebuild it, policy-aware once its state is set."""
+    module = rebuild(*arguments)
+    if not getattr(type(module), "_kernelpolicy_aware", False):
+        module.__class__ = _aware_class(type(module))
+    module.__dict__[_PENDING] = (module_name,)
+    return module
+
+
+def _copied(module: nn.Module, state: dict[str, Any], memo: dict[int, Any] | None = None) -> nn.Module:
+    """A copy of ``module`` with ``state`` (deep-copied with ``memo`` if given), its kernel, variants and wrapper.
+
+    Of the module's class, or of the subclass another library made of the policy-aware one (torch's
+    parametrizations: the copy keeps them). Another library's forward wrapper is copied as the rest of the
+    state is (deep-copied, it refers to the copy), and what in the copy referred to the module's dispatch
+    (accelerate's ``_old_forward``) refers to the copy's.
+    """
+    binding = binding_of(module)
+    cls = type(module) if _foreign(module) else _original_class(module)
+    new = cls.__new__(cls)
+    wrapper = binding.wrapper if binding is not None else None
+    if memo is not None:
+        memo[id(module)] = new
+        state = copy.deepcopy(state, memo)
+        wrapper = copy.deepcopy(wrapper, memo)
+    new.__dict__.update(state)
+    _rebind(new, binding.kernel if binding is not None else None, _module_name(module))
+    if bound_by_hand(module) and binding is not None and binding.kernel is not None:
+        _BY_HAND[new] = binding.kernel  # the copy's binding has the same kernel function
+    _copy_variants(module, new)
+    copied = _stored_binding(new)
+    if copied is not None and binding is not None and binding.dispatcher is not None:
+        redirect(new.__dict__, binding.dispatcher, copied.dispatcher)
+        if wrapper is not None:
+            copied.wrapper = wrapper
+            new.__dict__["forward"] = wrapper
+    return new
+
+
+def _foreign(module: nn.Module) -> bool:
+    """Whether ``module``'s class is a subclass another library made of a policy-aware class (parametrizations)."""
+    cls = type(module)
+    return "_kernelpolicy_original" not in cls.__dict__ and "_kernelpolicy_original" in dir(cls)
+
+
+def _copy_variants(source: nn.Module, new: nn.Module) -> None:
+    binding, copied = binding_of(source), binding_of(new)
+    if binding is not None and binding.variants and copied is not None:
+        copied.variants = dict(binding.variants)
+        copied.install()
+
+
+def _original_class(module: nn.Module) -> type[nn.Module]:
+    return cast("type[nn.Module]", getattr(type(module), "_kernelpolicy_original", type(module)))
+
+
+def _own_state(module: nn.Module) -> dict[str, Any]:
+    return {key: value for key, value in module.__dict__.items() if key not in _OURS}
+
+
+def _module_name(module: nn.Module) -> str | None:
+    binding = binding_of(module)
+    return binding.module_name if binding is not None else None
+
+
+def _rebind(module: nn.Module, kernel: Callable[..., Any] | None, module_name: str | None) -> None:
+    """Make a copied or unpickled ``module`` policy-aware again, with ``kernel`` bound as kernels binds it."""
+    if kernel is not None:
+        module.__dict__["forward"] = types.MethodType(kernel, module)
+    _make_aware(module, module_name)
+
+
+def _restore(
+    cls: type[nn.Module],
+    state: dict[str, Any],
+    kernel: Callable[..., Any] | None,
+    module_name: str | None,
+    dropped: str | None = None,
+) -> nn.Module:
+    module = cls.__new__(cls)
+    module.__setstate__(state)  # type: ignore[no-untyped-call]
+    _rebind(module, kernel, module_name)
+    binding = binding_of(module)
+    if binding is not None and binding.kernel is None:
+        binding.dropped = dropped
+    return module

@@ -1,0 +1,10 @@
+"""Where a policy lives while code runs: the variable the forwards read, and what sets and carries it.
+
+- ``_active``: the policy in effect, resolved per layer (the table the forwards read);
+- ``_traced``: scopes entered where TorchDynamo traces;
+- ``_scope``: ``kernel_policy``, ``kernels_disabled``, ``set_default_policy``;
+- ``_propagate``: the policy carried to threads, pools and processes;
+- ``_state``: eager, or which tracer is running.
+
+Imports: ``_values`` and ``_compat``.
+"""
