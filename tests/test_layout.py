@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import ast
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "kernelpolicy"
 #: Modules above 500 lines, each one concept whose seams would cut it in the middle (see the closing note of
@@ -69,3 +73,25 @@ def test_the_layers_count_imports_made_only_for_type_checking() -> None:
     config = (PACKAGE.parent / "pyproject.toml").read_text()
     settings = config.split("[tool.importlinter]", 1)[1].split("[[tool.importlinter.contracts]]", 1)[0]
     assert "exclude_type_checking_imports = false" in settings.splitlines(), settings
+
+
+def test_kernelize_takes_in_a_popped_forward_once_per_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The way down of ``kernelize(model)`` (issue 42, item 6): without a variant, ``kernelize`` leaves a forward
+    kernels popped to ``attach`` (``binding_of`` resyncs each module) instead of resyncing every module first;
+    with a variant it resyncs each module once, while the variant is being bound ("no such variant")."""
+    import kernelpolicy as kp
+    from kernelpolicy._attach import _attach
+    from kernelpolicy.testing import DemoModel, local_mapping, rms_norm_kernel_source, write_kernel_repo
+
+    calls: list[object] = []
+    resync = _attach._resync
+    monkeypatch.setattr(_attach, "_resync", lambda module: (calls.append(module), resync(module))[1])
+    repo = write_kernel_repo(tmp_path, rms_norm_kernel_source(offset=100.0))
+    model = DemoModel(8).eval()
+    with local_mapping({"RMSNorm": repo}):
+        kp.kernelize(model, mode="inference", device="cpu")
+        assert calls == []
+        kp.kernelize(model, mode="inference", device="cpu", variant="again")
+    norms = [module for module in model.modules() if type(module).__name__.endswith("RMSNorm")]
+    assert len(calls) == len(norms) == 3 and set(map(id, calls)) == set(map(id, norms))
+    assert kp.will_use_kernel(model.norm) and "again" in _attach.binding_of(model.norm).variants  # type: ignore[union-attr]

@@ -138,14 +138,16 @@ def kernelize(
         attach(model, attention_fallback=attention_fallback)  # every module policy-aware: kernels' bindings land here
     kernels = _compat.kernels()
     _watch.watch()
-    repos_before = {id(module): module.__dict__.get(REPO) for _, module in kernel_modules(model)}
+    before = {id(module): module.__dict__.get(REPO) for _, module in kernel_modules(model)} if variant else {}
     token, named = KERNELIZING.set(True), _VARIANT.set(variant)
     try:
         kernels.kernelize(model, mode=_kernels_mode(mode), device=device, use_fallback=use_fallback)
-        for _, module in kernel_modules(model):
-            _resync(module)  # a forward kernels popped while no watch was installed
-            if variant is not None:
-                _variant_repository(module, variant, repos_before.get(id(module)))
+        # Without a variant, attach (below) takes in a forward kernels popped (binding_of resyncs each module).
+        # A variant's must be taken in while it is being bound: "no such variant", not "no kernel".
+        if variant is not None:
+            for _, module in kernel_modules(model):
+                _resync(module)  # a forward kernels popped while no watch was installed
+                _variant_repository(module, variant, before.get(id(module)))
     finally:
         _VARIANT.reset(named)
         KERNELIZING.reset(token)
