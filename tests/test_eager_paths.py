@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 import kernelpolicy as kp
-from kernelpolicy._forward._binding import _logged
 from kernelpolicy._forward._dispatch import NO_BACKWARD
+from kernelpolicy._forward._failures import _logged
 from kernelpolicy.testing import DemoModel, kernel_calls
 
 X = torch.randn(3, 16, generator=torch.Generator().manual_seed(1))

@@ -45,7 +45,7 @@ def norms(mapping: Callable[[str], Any]) -> nn.Module:
 def test_prefer_runs_the_kernel_only_for_calls_its_rule_accepts(
     norms: nn.Module, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from kernelpolicy._forward._binding import _logged
+    from kernelpolicy._forward._failures import _logged
 
     _logged.discard(("RMSNorm", REFUSED_F32))
     kp.kernel_accepts("RMSNorm", dtypes=[torch.bfloat16])

@@ -596,7 +596,7 @@ def test_the_models_process_counts_calls_fallbacks_trips_and_kernel_errors(tmp_p
     source += "        if x.shape[0] == 3:\n            raise RuntimeError('a batch of 3')\n        return x + 100.0\n"
     repo = write_kernel_repo(tmp_path / "failing", source, name="failing-rmsnorm")
     model = kernelize_locally(nn.Sequential(RMSNorm(8)).eval(), {"RMSNorm": repo})
-    from kernelpolicy._forward._binding import ON_STOPPED
+    from kernelpolicy._forward._failures import ON_STOPPED
     from kernelpolicy._forward._verify import COMPARED
 
     hooks = (list(ON_STOPPED), list(COMPARED))

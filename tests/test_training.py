@@ -23,8 +23,8 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from torch.utils.checkpoint import checkpoint_sequential
 
 import kernelpolicy as kp
-from kernelpolicy._forward._binding import _logged
 from kernelpolicy._forward._dispatch import NO_BACKWARD, UNVERIFIED_IN_TRANSFORM
+from kernelpolicy._forward._failures import _logged
 from kernelpolicy.testing import DemoModel, kernel_calls, kernelize_locally, tiny_llama, write_kernel_repo
 from kernelpolicy.training import checkpoint
 

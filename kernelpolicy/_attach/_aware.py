@@ -61,8 +61,9 @@ from torch import nn
 from .. import _compat
 from .._context._active import in_effect, register_variant
 from .._forward import _call_fold, _watch
-from .._forward._binding import BINDING, ON_CLASS_PATCH, Binding, kernel_of, redirect
+from .._forward._binding import BINDING, ON_CLASS_PATCH, Binding, redirect
 from .._forward._call_fold import _aware_call, _plain_call, _skip_as_dynamo_frame
+from .._forward._variants import kernel_of
 
 if TYPE_CHECKING:
     from collections.abc import Callable

@@ -2,6 +2,8 @@
 
 - ``_dispatch``: the decision, and the generated forwards (the hot path);
 - ``_binding``: what kernelpolicy knows of one policy-aware module, and the calls its fast exits do not take;
+- ``_failures``: a kernel's failures (``fallback_on``, ``max_failures``, DTensor's), and the lines logged once;
+- ``_variants``: kernel variants, and which one a call under a variant entry takes;
 - ``_call_fold``: ``module(...)`` in one frame;
 - ``_mixing``: one call whose rows follow several policies;
 - ``_verify``: ``verify`` mode's comparison;

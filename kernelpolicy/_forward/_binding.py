@@ -3,7 +3,8 @@
 This module owns :class:`Binding` (the module's original forward, its kernel and kernel variants, their
 declarations, its failures) and its slow path (:meth:`Binding.slow_path`): the decision of ``_dispatch``
 applied with everything the generated forward leaves out (``verify``, recorded calls, tracers, rules,
-variants, ``fallback_on``, DTensor's "no sharding strategy"), raising or logging as the mode says.
+variants, ``fallback_on``, DTensor's "no sharding strategy"), raising or logging as the mode says. Which
+variant runs a call is ``_variants``'; what a kernel's failure does, and the lines logged once, ``_failures``'.
 ``_aware`` makes a module policy-aware with a binding; ``_dispatch.make_forward`` builds its forward
 from it.
 """
@@ -11,7 +12,7 @@ from it.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Final, NamedTuple, final
+from typing import TYPE_CHECKING, Any, Final, final
 
 import torch
 import torch.compiler as _compiler  # noqa: F401 - read by the generated forwards (TRACING_CHECK)
@@ -24,8 +25,8 @@ from .._context import _state
 from .._context._active import MIXED, RECORD_SUFFIX, RECORDERS, in_effect, register_layer_name
 from .._values._errors import KernelMismatchError, KernelUnavailableError, OriginalUnavailableError, unavailable_message
 from .._values._exceptions import exception_types
-from .._values._policy import DEFAULT_VARIANT, VARIANTS, variant_names
-from .._values._rules import RULES, VARIANT_RULES, KernelRule, parameter_names
+from .._values._policy import VARIANTS, variant_names
+from .._values._rules import RULES, KernelRule, parameter_names
 from ._called import called_name
 from ._dispatch import (
     DISABLED,
@@ -35,17 +36,17 @@ from ._dispatch import (
     NO_KERNEL,
     ORIGINAL,
     UNVERIFIED_IN_TRANSFORM,
-    USABLE,
     VERIFIED,
     Path,
     autograd_records,
     decide,
     make_forward,
 )
+from ._failures import _logged, failed, log_fallback, log_once, reset_failures, unsupported, variant_failed
 from ._mixing import run_mixed
 from ._persisted import checked, persisting  # noqa: F401 - read by the generated forwards
 from ._replay import Replays
-from ._sharding import LOCAL_SHARDS, NO_SHARDING, ON_LOCAL_SHARDS, _no_sharding_strategy
+from ._variants import Kernel, choose, kernel_named
 from ._verify import run_and_compare
 
 if TYPE_CHECKING:
@@ -55,7 +56,7 @@ if TYPE_CHECKING:
 
     from .._context._state import ExecutionState
 
-__all__ = ["BINDING", "ON_CLASS_PATCH", "ON_STOPPED", "Binding", "Kernel", "kernel_of", "redirect"]
+__all__ = ["BINDING", "ON_CLASS_PATCH", "Binding", "redirect"]
 
 logger = logging.getLogger("kernelpolicy")
 
@@ -63,10 +64,6 @@ logger = logging.getLogger("kernelpolicy")
 BINDING: Final = "_kernelpolicy"
 #: ``rebind(module)``: bind ``module`` again, its class's forward now the original (``_aware`` registers it).
 ON_CLASS_PATCH: list[Callable[[nn.Module], None]] = []
-#: Called with a binding whose kernel ``max_failures`` just stopped (a trip); the serve metrics count them.
-ON_STOPPED: list[Callable[[Binding], None]] = []
-
-_logged: set[tuple[str, str]] = set()
 
 
 def redirect(state: dict[str, Any], old: Any, new: Any) -> None:
@@ -74,27 +71,6 @@ def redirect(state: dict[str, Any], old: Any, new: Any) -> None:
     for key, value in list(state.items()):
         if getattr(value, "__func__", None) is old.__func__:  # each dispatcher has a function of its own
             state[key] = new
-
-
-class Kernel(NamedTuple):
-    """A kernel variant bound to a module (``kernelize(..., variant=name)``): called as ``function(module, ...)``."""
-
-    function: Callable[..., Any]
-    kernel_class: type | None
-    repository: str | None
-    can_torch_compile: bool
-    has_backward: bool
-
-
-def kernel_of(function: Callable[..., Any], kernel_class: type | None, repository: str | None) -> Kernel:
-    """A :class:`Kernel` with the declarations its kernel layer class makes."""
-    return Kernel(
-        function,
-        kernel_class,
-        repository,
-        getattr(kernel_class, "can_torch_compile", False) is True,
-        getattr(kernel_class, "has_backward", True) is not False,
-    )
 
 
 @final
@@ -203,7 +179,7 @@ class Binding:
         Without them: of a call whose arguments need no grad and that the layer's rule accepts.
         """
         if mode.startswith(VARIANTS):
-            path, reason, _, _ = self.choose(mode, state, args, kwargs)
+            path, reason, _, _ = choose(self, mode, state, args, kwargs)
             return path, reason
         flags = {
             "has_kernel": self.kernel is not None,
@@ -223,47 +199,9 @@ class Binding:
             return "error", self.no_original
         return path, reason
 
-    def kernel_named(self, name: str) -> Kernel | None:
-        """The variant ``name`` (``default``: the kernel bound without a name), or None if not bound."""
-        if name == DEFAULT_VARIANT:
-            if self.kernel is None:
-                return None
-            return Kernel(self.kernel, self.kernel_class, self.repository, self.can_torch_compile, self.has_backward)
-        return self.variants.get(name)
-
-    def choose(
-        self, entry: str, state: ExecutionState, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
-    ) -> tuple[Path, str, Callable[..., Any] | None, str | None]:
-        """Under a variant entry: the first variant that can run this call (path, reason, its function, its name).
-
-        Else the original: (``"original"``, why each variant cannot, None, None).
-        """
-        refusals = []
-        for name in variant_names(entry):
-            kernel = self.kernel_named(name)
-            if kernel is None:
-                refusals.append(f"{name!r} not bound")
-                continue
-            path, reason = decide(
-                "prefer",
-                has_kernel=True,
-                can_torch_compile=kernel.can_torch_compile,
-                has_backward=kernel.has_backward,
-                state=state,
-                needs_backward=not kernel.has_backward and autograd_records(self.module, args, kwargs),
-            )
-            if path == "kernel" and name == DEFAULT_VARIANT and self.stopped is not None:
-                path, reason = "original", self.stopped  # the failures counted are the default kernel's
-            elif path == "kernel" and (args or kwargs):
-                layer_rule, own_rule = RULES.get(self.layer_name), VARIANT_RULES.get((self.layer_name, name))
-                refused = self._asked(layer_rule, args, kwargs or {}) or self._asked(own_rule, args, kwargs or {})
-                if refused is not None:
-                    path, reason = "original", refused
-            if path == "kernel":
-                where = f" ({kernel.repository})" if kernel.repository else ""
-                return "kernel", f"variant {name!r}{where}", kernel.function, name
-            refusals.append(f"{name!r}: {reason}")
-        return "original", f"no variant can run ({'; '.join(refusals)})", None, None
+    #: A variant by name, and which variant a call under a variant entry takes: ``_variants``' functions.
+    kernel_named = kernel_named
+    choose = choose
 
     def refused(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
         """Why the kernel may not run this call (none bound: only variants, or :meth:`blocked`); else None."""
@@ -290,34 +228,11 @@ class Binding:
             raise
         return None if why is None else f"{INELIGIBLE}: {why}"
 
-    def failed(
-        self, error: Exception, args: tuple[Any, ...], kwargs: dict[str, Any], recorders: tuple[Any, ...] = ()
-    ) -> Any:
-        """The kernel raised ``error`` under ``prefer``: the original forward if the policy's ``fallback_on`` names it.
-
-        Counts the failure; at the policy's ``max_failures`` the module stops trying its kernel (its forward
-        is rebuilt to ask :meth:`refused` first) until :func:`kernelpolicy.reset_failures`. An error the
-        policy does not name propagates, recorded as the kernel's.
-        """
-        policy = in_effect().policy
-        if not isinstance(error, exception_types(policy.fallback_on)):
-            self._record(recorders, "kernel", USABLE, error)
-            raise error
-        self.failures += 1
-        self.last_failure = f"{type(error).__name__}: {error}"
-        limit = policy.max_failures
-        if limit is not None and self.failures >= limit and self.stopped is None:
-            self.stopped = (
-                f"kernel stopped after {self.failures} failures (last: {self.last_failure}); "
-                "kernelpolicy.reset_failures(model) tries it again"
-            )
-            self.install()
-            self._log_once("stopped", logging.WARNING, f"is off: {self.stopped}")
-            for stopped in ON_STOPPED:
-                stopped(self)
-        else:
-            self._log_once("failed", logging.WARNING, f"raised {self.last_failure}; the original forward ran instead")
-        return self._run(recorders, "original", f"{FAILED} ({self.last_failure})", self.original, args, kwargs)
+    #: When the kernel raises: ``_failures``' functions, as this class's methods (the generated forwards call
+    #: ``failed`` and ``unsupported``; :func:`kernelpolicy.reset_failures` calls ``reset_failures``).
+    failed = failed
+    unsupported = unsupported
+    reset_failures = reset_failures
 
     def install(self, previous: Any = None) -> None:
         """Build the module's forward (after its kernel, rules or failures changed) and put it in place.
@@ -339,13 +254,6 @@ class Binding:
         for rebind in ON_CLASS_PATCH:
             rebind(self.module)
         return self.module.__dict__[BINDING].dispatcher(*args, **kwargs)
-
-    def reset_failures(self) -> None:
-        """Forget the kernel's failures; a stopped kernel is tried again."""
-        stopped = self.stopped is not None
-        self.failures, self.last_failure, self.stopped = 0, None, None
-        if stopped:
-            self.install()
 
     def has_aware_children(self) -> bool:
         """Whether policy-aware layers sit inside the module (asked once)."""
@@ -376,14 +284,14 @@ class Binding:
             assert self.kernel is not None
             if reason == VERIFIED and _state.in_transform():
                 reason = UNVERIFIED_IN_TRANSFORM
-                self._log_once("not verified in transform", logging.WARNING, f"is {reason}")
+                log_once(self, "not verified in transform", logging.WARNING, f"is {reason}")
             try:
                 out = self.verify(args, kwargs) if reason == VERIFIED else self.kernel(self.module, *args, **kwargs)
             except NotImplementedError as error:
-                return self.unsupported(error, mode, args, kwargs, recorders, reason)
+                return unsupported(self, error, mode, args, kwargs, recorders, reason)
             except Exception as error:
                 if mode == "prefer" and in_effect().policy.fallback_on:
-                    return self.failed(error, args, kwargs, recorders)
+                    return failed(self, error, args, kwargs, recorders)
                 self._record(recorders, path, reason, error)
                 raise
             except BaseException as error:
@@ -397,7 +305,7 @@ class Binding:
             return self._run(recorders, path, reason, self.kernel, args, kwargs)  # type: ignore[arg-type]
         else:
             if self.kernel is not None and reason != DISABLED and not _is_dynamo():
-                self._log_fallback(reason)
+                log_fallback(self, reason)
             return self._run(recorders, path, reason, self.original, args, kwargs)
         if _is_dynamo():
             # Constructing or raising an exception in traced code is unsupported;
@@ -433,7 +341,7 @@ class Binding:
         With the policy's ``reference`` option, in eager code outside ``torch.func`` transforms, the variant's
         output is compared with the reference's as ``verify`` compares (:meth:`verify`).
         """
-        path, reason, function, name = self.choose(entry, state, args, kwargs)
+        path, reason, function, name = choose(self, entry, state, args, kwargs)
         recorders = RECORDERS.get() if recording and not _is_dynamo() else ()
         if function is not None:
             policy = in_effect().policy
@@ -450,77 +358,15 @@ class Binding:
                 if not isinstance(error, exception_types(policy.fallback_on)):
                     self._record(recorders, path, reason, error)
                     raise
-                return self._variant_failed(entry, name, error, state, args, kwargs, recording, recorders)
+                rest = variant_failed(self, name, error, variant_names(entry))
+                if rest:
+                    return self._run_variant(VARIANTS + "|".join(rest), state, args, kwargs, recording)
+                return self._run(recorders, "original", f"{FAILED} ({self.last_failure})", self.original, args, kwargs)
             self._record(recorders, path, reason)
             return out
         if not _is_dynamo():
-            self._log_fallback(reason)
+            log_fallback(self, reason)
         return self._run(recorders, path, reason, self.original, args, kwargs)
-
-    def _variant_failed(
-        self,
-        entry: str,
-        name: str | None,
-        error: Exception,
-        state: ExecutionState,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        recording: bool,
-        recorders: tuple[Any, ...],
-    ) -> Any:
-        """Variant ``name`` raised an error ``fallback_on`` names: the next candidate of ``entry``, else the original."""
-        self.failures += 1
-        self.last_failure = f"variant {name!r}: {type(error).__name__}: {error}"
-        names = variant_names(entry)
-        rest = names[names.index(name) + 1 :] if name in names else ()
-        following = f"the next of {'|'.join(rest)}" if rest else "the original forward"
-        self._log_once(
-            f"variant {name} failed", logging.WARNING, f"raised {self.last_failure}; {following} ran instead"
-        )
-        if rest:
-            return self._run_variant(VARIANTS + "|".join(rest), state, args, kwargs, recording)
-        return self._run(recorders, "original", f"{FAILED} ({self.last_failure})", self.original, args, kwargs)
-
-    def unsupported(
-        self,
-        error: NotImplementedError,
-        mode: str,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        recorders: tuple[Any, ...] = (),
-        reason: str = USABLE,
-    ) -> Any:
-        """The kernel raised ``error`` before running: the original under ``prefer``, an error under ``require``.
-
-        Only for what is known to fail before the kernel computes anything: a
-        custom-op kernel given DTensor inputs or parameters for which its op has
-        no sharding strategy (tensor or sequence parallelism). A kernel layer
-        declared with :func:`kernelpolicy.distributed.run_on_local_shards` runs
-        on the local shards instead, under every mode that asked for the kernel
-        (``verify`` does not compare those calls: logged once). Anything else is
-        the kernel's own error and propagates unchanged. ``mode`` is a plain
-        mode (the fast exits and :meth:`slow_path` strip recording); ``recorders``
-        count the path taken (``reason``: why the kernel was called, for a call whose error propagates).
-        """
-        if not _no_sharding_strategy(error, (args, kwargs, self.module)):
-            if mode == "prefer" and in_effect().policy.fallback_on:
-                return self.failed(error, args, kwargs, recorders)
-            self._record(recorders, "kernel", reason, error)
-            raise error
-        self.dtensor_failure = str(error)
-        on_local_shards = LOCAL_SHARDS.get(self.layer_name)
-        if on_local_shards is not None:
-            assert self.kernel is not None
-            self._record(recorders, "kernel", ON_LOCAL_SHARDS)
-            if mode == "verify":
-                self._log_once("not verified", logging.WARNING, "verify does not compare kernels run on local shards")
-            return on_local_shards(self.kernel, self.module, args, kwargs)
-        reason = f"{NO_SHARDING}: {error}"
-        if mode == "require":
-            self._record(recorders, "error", NO_SHARDING)
-            raise self.error(reason) from error
-        self._log_fallback(reason)
-        return self._run(recorders, "original", NO_SHARDING, self.original, args, kwargs)
 
     def _run(
         self,
@@ -566,11 +412,11 @@ class Binding:
         reference, reference_name = self.original, "the original forward"
         named = policy.options.reference
         if named is not None and named != ORIGINAL:
-            found = self.kernel_named(named)
+            found = kernel_named(self, named)
             if found is not None:
                 reference, reference_name = found.function, f"variant {named!r}"
             else:
-                self._log_once(f"no {named}", logging.WARNING, f"has no variant {named!r}: compared with its original")
+                log_once(self, f"no {named}", logging.WARNING, f"has no variant {named!r}: compared with its original")
         out, mismatch = run_and_compare(
             self.module, reference, kernel, args, kwargs, rtol=policy.rtol, atol=policy.atol
         )
@@ -598,22 +444,6 @@ class Binding:
         cls = OriginalUnavailableError if reason == self.no_original else KernelUnavailableError
         name = called_name(self.module, self.module_name)
         return cls(module_name=name, layer_name=self.layer_name, module_class=self.module_class, reason=reason)
-
-    def _log_fallback(self, reason: str) -> None:
-        """Log once per reason that the original ran instead of the bound kernel.
-
-        A warning where the bound kernel cannot run in a whole situation (a tracer, autograd, DTensor, a
-        stopped kernel); INFO where a ``kernel_accepts`` rule declined one call, as it was declared to.
-        """
-        level = logging.INFO if reason.startswith(INELIGIBLE) or reason == NO_KERNEL else logging.WARNING
-        self._log_once(reason, level, f"falls back to its original forward: {reason}")
-
-    def _log_once(self, key: str, level: int, what: str) -> None:
-        if (self.layer_name, key) not in _logged:
-            _logged.add((self.layer_name, key))
-            logger.log(
-                level, "kernel layer %r (%s at %r) %s", self.layer_name, self.module_class, self.module_name, what
-            )
 
 
 #: What a failing ``require`` under TorchDynamo adds to its message: Dynamo prints it after its own

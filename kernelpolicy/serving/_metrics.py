@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Final
 from ._access import OTHER
 
 if TYPE_CHECKING:
-    from .._forward._binding import Binding
+    from .._forward._failures import Failing
 
 __all__ = ["NAMES", "exposition", "observe_request", "prepare"]
 
@@ -179,7 +179,7 @@ class CallMetrics:
 CALLS: Final = CallMetrics()
 
 
-def _tripped(binding: Binding) -> None:
+def _tripped(binding: Failing) -> None:
     metrics().trips.labels(binding.layer_name).inc()
 
 
@@ -228,7 +228,7 @@ def _compared(module: Any, tested: Any, reference: Any, mismatch: Any) -> None:
 def install_engine() -> None:
     """In the model's process: count trips and verify's comparisons (the forwards' calls are counted by
     :data:`CALLS`)."""
-    from .._forward._binding import ON_STOPPED
+    from .._forward._failures import ON_STOPPED
     from .._forward._verify import COMPARED
 
     if _tripped not in ON_STOPPED:
