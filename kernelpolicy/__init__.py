@@ -94,7 +94,7 @@ _MOVED_MODULES = {
     "kernelpolicy._policy": "kernelpolicy._values._policy",
     "kernelpolicy._errors": "kernelpolicy._values._errors",
     "kernelpolicy._propagate": "kernelpolicy._context._propagate",
-    "kernelpolicy._aware": "kernelpolicy._attach._aware",
+    "kernelpolicy._aware": "kernelpolicy._attach._copies",  # pickles name its _restore, _restore_reduced
 }
 
 
@@ -117,9 +117,10 @@ if not any(isinstance(finder, _Forwarding) for finder in sys.meta_path):
     sys.meta_path.insert(0, _Forwarding())  # first: the old name means the moved module, whatever else is found
 
 #: Features that plug into the core through its hook lists (``_attach.ATTACH_HOOKS``, ``_aware.NO_ORIGINAL``,
+#: ``_aware.CLASS_MEMBERS``: copies and pickles,
 #: ``_explain.ROW_SOURCES`` and ``UNGOVERNED_SOURCES``) when imported: imported here, with the first name
 #: that needs torch, so that they are in place before any module is bound or explained.
-_FEATURES = ("._transformers", ".training", ".batching")
+_FEATURES = ("._attach._copies", "._transformers", ".training", ".batching")
 
 
 def __getattr__(name: str) -> Any:

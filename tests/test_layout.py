@@ -21,7 +21,6 @@ PACKAGE = Path(__file__).resolve().parent.parent / "kernelpolicy"
 #: decorator for functions, coroutines and (async) generators.
 # _binding and _compat: split by issue 42 (the house in wings); until then their mixed-step lines (issue 40).
 LARGER = {
-    "_attach/_aware.py": 600,
     "_values/_policy.py": 530,
     "_compat.py": 655,
     "_context/_scope.py": 550,

@@ -24,6 +24,7 @@ from .._forward import _watch
 from .._values._errors import PolicyError
 from .._values._policy import check_layer_name
 from .._values._rules import RULES, VARIANT_RULES, KernelRule
+from . import _copies  # noqa: F401 - its members join _aware.CLASS_MEMBERS before anything is made aware
 from ._aware import (
     _AWARE_MODULES,
     _VARIANT,
