@@ -1,22 +1,16 @@
-"""What kernelpolicy needs of the installed torch, kernels and transformers: releases and private names.
+"""The private names kernelpolicy reads of the installed torch, kernels and transformers.
 
-This module owns the supported release ranges (:data:`SUPPORTED`, the same
-as ``pyproject.toml``'s and the CI matrix's; :data:`TRANSFORMERS_KERNELS` for
-transformers, which is not a dependency), checked by :func:`check_torch` when
-the layer machinery loads and by :func:`kernels` on first use of ``kernels``,
-and :data:`INTERNALS`, the one list of every private name kernelpolicy relies
-on, with each location it has had and the releases it was seen in, and
-:func:`probe`, which looks each of them up in the installed packages (by
-attribute, never by version string). Code elsewhere that reads a private name
-gets it from here (:func:`resolve`), and no other module spells a kernels or
-transformers module path, so that a release that moves one is caught by
-``python -m kernelpolicy doctor`` and by ``tests/test_compat.py``, which name
-what moved, and not in a user's forward.
-
-Public API first: where the installed kernels has a public way
-(``kernels.get_kernelized_layers`` from 0.19, ``kernels.kernelize`` itself),
-the helpers here use it, and the private name is the fallback for older
-releases.
+This module owns :data:`INTERNALS`, the one list of every private name
+kernelpolicy relies on, with each location it has had and the releases it was
+seen in, and :func:`probe`, which looks each of them up in the installed
+packages (by attribute, never by version string). Code elsewhere that reads a
+private name gets it from here (:func:`resolve`), and no other module spells a
+kernels or transformers module path, so that a release that moves one is
+caught by ``python -m kernelpolicy doctor`` and by ``tests/test_compat.py``,
+which name what moved, and not in a user's forward. The supported releases are
+``_versions``'; the names of attributes read on other libraries' objects,
+``_attributes``'; what kernelpolicy reads of the objects kernels makes, public
+API first, ``_kernel_objects``'.
 
 An entry with several names is satisfied by the first one present (a name
 that moved between releases); ``fallback`` says what kernelpolicy does when
@@ -24,7 +18,7 @@ none is, or is None when the feature cannot work without it. A feature that
 meets a missing entry through :func:`resolve` is told None and the user is
 told once, at their line, what is lost and that the doctor lists it: never a
 silent no-op. A kernels release newer than the tested range warns once
-(:func:`check_version`) and otherwise gets the same treatment: every name is
+(``_versions.check_version``) and otherwise gets the same treatment: every name is
 looked up by attribute, so what did not move keeps working.
 
 >>> from kernelpolicy._compat import probe
@@ -35,107 +29,23 @@ True
 from __future__ import annotations
 
 import dataclasses
-import functools
 import importlib
 import importlib.util
-import re
-import warnings
-from importlib import metadata
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
-if TYPE_CHECKING:
-    from types import ModuleType
+from ._attributes import BATCHING_ATTRIBUTES
 
 __all__ = [
     "BATCHING",
-    "BATCHING_ATTRIBUTES",
     "BATCHING_MANAGER",
     "INTERNALS",
-    "SUPPORTED",
     "Found",
     "Internal",
-    "UnsupportedVersionError",
     "all_present",
-    "check_torch",
-    "check_version",
-    "kernel_function_of",
-    "kernel_repository",
-    "kernels",
     "lookup",
     "probe",
     "resolve",
-    "routes_by_module",
 ]
-
-#: Release ranges kernelpolicy is tested with, ``(lowest, first untested)``:
-#: older releases are refused, newer ones warn once (run the doctor).
-SUPPORTED: Final[dict[str, tuple[str, str]]] = {
-    "torch": ("2.9", "2.16"),
-    "kernels": ("0.16", "0.20"),
-}
-
-#: transformers releases tested with kernelpolicy and the kernels releases each one requires or enables its
-#: hub kernels with (its own version gate, ``transformers.utils.import_utils.is_kernels_available``). The
-#: README's table; transformers is not a dependency of kernelpolicy.
-TRANSFORMERS_KERNELS: Final[tuple[tuple[str, str], ...]] = (
-    ("5.17", "kernels>=0.16,<0.17"),
-    ("5.18-5.19", "kernels>=0.17,<0.18"),
-    ("5.20-5.22", "kernels>=0.17.2,<0.18"),
-    ("5.23-5.24", "kernels>=0.18,<0.19"),
-    ("5.25", "kernels>=0.19.1,<0.20 (a requirement, not only a gate)"),
-)
-
-
-class UnsupportedVersionError(ImportError):
-    """An installed release older than kernelpolicy supports."""
-
-
-def _release(version: str) -> tuple[int, ...]:
-    match = re.match(r"\d+(\.\d+)*", version)
-    return tuple(int(part) for part in match.group(0).split(".")) if match else ()
-
-
-def check_version(package: str, installed: str) -> None:
-    """Refuse a release older than :data:`SUPPORTED` says, warn once for one newer than tested.
-
-    >>> check_version("kernels", "0.12.3")
-    Traceback (most recent call last):
-    ...
-    kernelpolicy._compat.UnsupportedVersionError: kernelpolicy needs kernels>=0.16,<0.20 (tested); installed: kernels 0.12.3. Install a supported release: pip install 'kernels>=0.16,<0.20'
-    """
-    low, high = SUPPORTED[package]
-    spec = f"{package}>={low},<{high}"
-    release = _release(installed)
-    if release < _release(low):
-        raise UnsupportedVersionError(
-            f"kernelpolicy needs {spec} (tested); installed: {package} {installed}. "
-            f"Install a supported release: pip install '{spec}'"
-        )
-    if release >= _release(high) and package not in _warned:
-        _warned.add(package)
-        warnings.warn(
-            f"kernelpolicy is tested with {spec}; installed: {package} {installed}. "
-            "Run `python -m kernelpolicy doctor` to check this release.",
-            stacklevel=3,
-        )
-
-
-_warned: set[str] = set()
-
-
-def check_torch() -> None:
-    """:func:`check_version` for the imported torch."""
-    import torch
-
-    check_version("torch", str(torch.__version__))
-
-
-@functools.cache
-def kernels() -> ModuleType:
-    """The ``kernels`` package, once its release is checked (a refused release raises at every call)."""
-    module = importlib.import_module("kernels")
-    check_version("kernels", metadata.version("kernels"))
-    return module
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,21 +143,6 @@ SKIP_FRAME = Internal(
     "a decorated async generator stepped under torch.compile: its frame runs eagerly",
     ("torch._dynamo.skip_frame",),
 )
-#: Not a name to look up but an attribute TorchDynamo reads on functions (``torch.compiler.disable``
-#: sets it); ``_dispatch`` sets it on the function that raises ``require``'s error under compile.
-#: ``tests/test_tracing.py`` (require, fullgraph=False) fails if Dynamo stops honouring it.
-DYNAMO_DISABLE_MARK = "_torchdynamo_disable"
-#: Likewise: the mark ``torch._dynamo.assume_constant_result`` sets (Dynamo calls such a function at trace
-#: time and folds its result in without a guard); ``_persisted`` sets it on its trace-time predicates.
-DYNAMO_CONSTANT_MARK = "_dynamo_marked_constant"
-#: ``torch._dynamo.config``'s switch of caching precompile, read by ``_persisted`` (a torch without it has
-#: no caching precompile, so a missing name is no fault and not in :data:`INTERNALS`).
-CACHING_PRECOMPILE = "caching_precompile"
-#: ``torch._dynamo.config``'s recompile limit (per compiled frame) and its switch that makes hitting it raise
-#: (without ``fullgraph`` the frame would run uncompiled), read by ``_warmup``: the first name present (torch
-#: before 2.7 spelled them ``cache_size_limit`` and ``fail_on_cache_limit_hit``; 2.9 to 2.15 have both).
-RECOMPILE_LIMIT: Final = ("recompile_limit", "cache_size_limit")
-FAIL_ON_RECOMPILE_LIMIT: Final = ("fail_on_recompile_limit_hit", "fail_on_cache_limit_hit")
 TRACING_CONTEXT = Internal(
     "persisted programs: one policy check per layer name and traced frame (TorchDynamo's context of the trace)",
     ("torch._guards.TracingContext.try_get",),
@@ -301,28 +196,6 @@ CHECKPOINT_WRAPPER = Internal(
     ("torch.distributed.algorithms._checkpoint.checkpoint_wrapper.CheckpointWrapper",),
     "attach leaves modules wrapped by checkpoint_wrapper as they are (their recomputations are not replayed)",
 )
-#: Not names to look up but attributes of objects other libraries make, which kernelpolicy reads: accelerate's
-#: hooks keep the forward they wrap in ``_old_forward`` (``_aware``); transformers' configs and model classes
-#: say the attention chosen and whether sdpa is supported (``_transformers``); and the instance attributes of
-#: transformers' batching objects that ``kernelpolicy.batching`` reads, checked on each object before it is
-#: wrapped (:func:`missing_attributes`: a missing one leaves the manager as transformers made it, and says so).
-ACCELERATE_WRAPPED: Final = "_old_forward"
-TRANSFORMERS_ATTRIBUTES: Final = ("_attn_implementation", "_supports_sdpa")
-BATCHING_ATTRIBUTES: Final[dict[str, tuple[str, ...]]] = {
-    "ContinuousBatchingManager": ("input_queue", "model"),
-    "ContinuousBatchProcessor": (
-        "scheduler",
-        "cache",
-        "inputs_and_outputs",
-        "use_async_batching",
-        "model_runner",
-        "model_device",
-        "max_batch_tokens",
-    ),
-    "ContinuousBatchingAsyncIOs": ("current_pair",),  # async batching's two IO pairs: each step's rows buffer
-    "Scheduler": ("active_requests", "waiting_requests", "waiting_requests_order"),
-    "PagedAttentionCache": ("cache_allocators",),
-}
 _K016 = "kernels.layer"  # kernels 0.16-0.18
 _K019 = "kernels._internals.layer"  # kernels 0.19
 _KERNELS_SEEN = ("kernels 0.19", "kernels 0.16-0.18")
@@ -548,37 +421,8 @@ def resolve(internal: Internal) -> Any:
     return None
 
 
-def routes_by_module(forward: Any) -> bool:
-    """Whether ``forward`` is the forward of a kernels >= 0.19 function module, which routes a call by ``self``.
-
-    kernels 0.19 gives each model its own wrapper of a kernel function (``use_kernelized_func``); the
-    function's global module hands a call to the wrapper of the model running, and under compile calls that
-    wrapper's forward with the *global* module as ``self``. Detected by the function's qualified name and the
-    routing table it reads (absent before 0.19, whose function modules ignore ``self``).
-    """
-    code = getattr(forward, "__code__", None)
-    return (
-        getattr(forward, "__qualname__", "") == "_create_func_module.<locals>.Func.forward"
-        and code is not None
-        and "_ACTIVE_KERNEL_FUNCS" in code.co_names
-    )
-
-
-def kernel_function_of(forward: Any) -> Any:
-    """The function a kernels function module wraps, from its class's ``forward``; None if it is not one.
-
-    ``use_kernel_forward_from_hub`` on a function builds a module class whose ``forward`` calls the function
-    through its closure variable ``func`` (kernels 0.16-0.19).
-    """
-    if getattr(forward, "__qualname__", "") != "_create_func_module.<locals>.Func.forward":
-        return None
-    import inspect
-
-    return inspect.getclosurevars(forward).nonlocals.get("func")
-
-
 def missing_attributes(objects: dict[str, Any]) -> bool:
-    """Whether an object of ``objects`` (:data:`BATCHING_ATTRIBUTES`' class name -> the object) lacks one of its
+    """Whether an object of ``objects`` (``_attributes.BATCHING_ATTRIBUTES``' class name -> the object) lacks one of its
     attributes there; the user is told once, as by :func:`resolve`."""
     missing = [
         f"{owner}.{name}"
@@ -606,47 +450,8 @@ def all_present(internals: tuple[Internal, ...]) -> bool:
     return all([resolve(internal) is not None for internal in internals])  # every one resolved: each is told
 
 
-#: The instance attribute in which kernels >= 0.19 records the repository a module's kernel came from (what
-#: its public ``get_kernelized_layers`` reads). kernelpolicy reads it through that function, and writes it
-#: only to put back what kernels recorded for the default kernel after binding a variant.
-KERNEL_REPO_ATTRIBUTE: Final = "_kernel_repo"
-
-
-def kernel_repository(module: Any, kernel: Any) -> str | None:
-    """Where the kernel ``kernel`` bound on ``module`` came from (``repo:layer``), or None when unknown.
-
-    kernels >= 0.19: its public ``get_kernelized_layers`` (the module's own entry). Older releases: kernels'
-    cache of loaded layers (:func:`cached_layer_repository`).
-    """
-    public = getattr(kernels(), "get_kernelized_layers", None)
-    if public is None:
-        return cached_layer_repository(kernel)
-    entry = public(module).layers.get("")
-    return describe_repository(entry.repo) if entry is not None else None
-
-
-def cached_layer_repository(kernel: Any) -> str | None:
-    """The repository of the loaded kernel layer whose ``forward`` is ``kernel`` (:data:`KERNELS_LAYER_CACHE`)."""
-    import inspect
-
-    cache = resolve(KERNELS_LAYER_CACHE)
-    for repo, layer in dict(cache or {}).items():
-        if inspect.getattr_static(layer, "forward", None) is kernel:
-            return describe_repository(repo)
-    return None
-
-
 def describe_repository(repo: Any) -> str:
     """``repo_id_or_path:layer_name`` of a kernels repository object (``str(repo)`` when it has neither)."""
     where = getattr(repo, "_repo_id", None) or getattr(repo, "_repo_path", None)
     name = getattr(repo, "layer_name", None) or getattr(repo, "func_name", None)
     return f"{where}:{name}" if where else str(name or repo)
-
-
-def kernels_loaded_a_layer() -> bool:
-    """Whether kernels has loaded any kernel layer in this process (True when it cannot tell)."""
-    public = getattr(kernels(), "get_loaded_kernels", None)
-    if public is not None and public():
-        return True
-    cache = resolve(KERNELS_LAYER_CACHE)
-    return True if cache is None else bool(cache)

@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, Any, Final, NamedTuple
 from torch import nn
 from torch.compiler import is_dynamo_compiling as _is_dynamo
 
-from . import _compat
+from . import _compat, _kernel_objects
 from ._attach._attach import ATTACH_HOOKS
 from ._attach._aware import NO_ORIGINAL, ORIGINALS, _make_class_aware, binding_of
 from ._context._active import RECORD_SUFFIX, UNRECORDED, in_effect
@@ -297,7 +297,7 @@ def package_fallback(forward: Callable[..., Any], layer_name: str) -> Callable[.
     """
     if "transformers" not in sys.modules:
         return None
-    wrapped = _compat.kernel_function_of(forward)
+    wrapped = _kernel_objects.kernel_function_of(forward)
     code = getattr(wrapped, "__code__", None)
     torch_function = getattr(wrapped, "__wrapped__", None)
     if (

@@ -401,7 +401,7 @@ def test_a_kernel_that_raises_mid_step_fails_only_the_requests_that_ran_it(confi
 
 
 def test_the_batching_attributes_kernelpolicy_reads_are_on_a_real_manager(model: Any, config: Any) -> None:
-    """``_compat.BATCHING_ATTRIBUTES`` on this transformers' manager, processor, scheduler and cache."""
+    """``_attributes.BATCHING_ATTRIBUTES`` on this transformers' manager, processor, scheduler and cache."""
     manager = model.init_continuous_batching(generation_config=config, continuous_batching_config=batching_config())
     processor = manager._create_batch_processor()
     assert getattr(processor, batching._MARK) is getattr(manager, batching._MARK)  # wrapped: nothing missing
@@ -413,7 +413,7 @@ def test_the_batching_attributes_kernelpolicy_reads_are_on_a_real_manager(model:
     }
     missing = [
         f"{owner}.{name}"
-        for owner, names in kp._compat.BATCHING_ATTRIBUTES.items()
+        for owner, names in kp._attributes.BATCHING_ATTRIBUTES.items()
         for name in names
         if owner in objects and not hasattr(objects[owner], name)
     ]
@@ -422,7 +422,7 @@ def test_the_batching_attributes_kernelpolicy_reads_are_on_a_real_manager(model:
     from transformers.generation.continuous_batching import input_outputs
 
     made = inspect.getsource(input_outputs.ContinuousBatchingAsyncIOs.__init__)
-    assert all(f"self.{name} =" in made for name in kp._compat.BATCHING_ATTRIBUTES["ContinuousBatchingAsyncIOs"])
+    assert all(f"self.{name} =" in made for name in kp._attributes.BATCHING_ATTRIBUTES["ContinuousBatchingAsyncIOs"])
 
 
 def test_async_io_pairs_without_their_current_pair_are_told(

@@ -14,9 +14,10 @@ import pytest
 import torch
 
 import kernelpolicy as kp
-from kernelpolicy import _compat
-from kernelpolicy._compat import INTERNALS, Found, Internal, UnsupportedVersionError, check_version, lookup, probe
+from kernelpolicy import _attributes, _compat, _versions
+from kernelpolicy._compat import INTERNALS, Found, Internal, lookup, probe
 from kernelpolicy._context import _state
+from kernelpolicy._versions import UnsupportedVersionError, check_version
 
 
 def test_every_private_name_is_present_on_this_torch() -> None:
@@ -28,7 +29,7 @@ def test_transformers_seams_are_present_on_the_releases_they_were_seen_in() -> N
     """The canary for transformers' seams, which fall back (and tell) where missing: on the releases of their
     ``seen`` they must be there, or the batching and serve tests would only skip."""
     transformers = pytest.importorskip("transformers")
-    release = _compat._release(transformers.__version__)[:2]
+    release = _versions._release(transformers.__version__)[:2]
     expected = {
         _compat.TRANSFORMERS_LAZY_KERNELS: (5, 17),
         _compat.TRANSFORMERS_LAZY_REPOS: (5, 17),
@@ -147,8 +148,8 @@ def test_fx_tracing_in_one_thread_is_eager_in_another() -> None:
 def test_installed_releases_are_supported() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        _compat.check_torch()
-        assert _compat.kernels().__name__ == "kernels"
+        _versions.check_torch()
+        assert _versions.kernels().__name__ == "kernels"
 
 
 def test_older_release_is_refused_with_both_versions() -> None:
@@ -160,7 +161,7 @@ def test_older_release_is_refused_with_both_versions() -> None:
 
 
 def test_newer_release_warns_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_compat, "_warned", set())
+    monkeypatch.setattr(_versions, "_warned", set())
     with pytest.warns(UserWarning, match=r"tested with kernels>=0\.16,<0\.20; installed: kernels 0\.20\.0"):
         check_version("kernels", "0.20.0")
     with warnings.catch_warnings():
@@ -177,7 +178,7 @@ def test_supported_releases_pass_silently(version: str) -> None:
 
 def test_pyproject_declares_the_supported_ranges() -> None:
     pyproject = (pathlib.Path(__file__).parents[1] / "pyproject.toml").read_text()
-    for package, (low, high) in _compat.SUPPORTED.items():
+    for package, (low, high) in _versions.SUPPORTED.items():
         assert f'"{package}>={low},<{high}",' in pyproject
 
 
@@ -189,7 +190,7 @@ def test_pyproject_declares_the_supported_ranges() -> None:
 # given as a string to ``getattr``/``hasattr``. A prefix of the path, through its last private component at
 # least, must be a name of ``_compat.INTERNALS`` (``torch._dynamo.config.x`` reads ``torch._dynamo.config``,
 # ``Module._call_impl.__code__`` reads ``Module._call_impl``; ``torch._dynamo.reset`` is a name of its own); a
-# table name may be read directly (the hot paths do). Attribute names must be ``_compat``'s attribute constants.
+# table name may be read directly (the hot paths do). Attribute names must be ``_attributes``' constants.
 # Not seen: ``obj._name`` on an object of unknown origin, and names held in variables.
 
 _NEIGHBOURS = ("torch", "kernels", "transformers", "accelerate")
@@ -253,7 +254,7 @@ _OWN_ATTRIBUTES = {"_kernelpolicy_aware", "_kernelpolicy_original", "_fields"}
 
 
 def _uncovered(source: str, table: frozenset[str] = _TABLE) -> list[str]:
-    attributes = {_compat.ACCELERATE_WRAPPED, *_compat.TRANSFORMERS_ATTRIBUTES, *_OWN_ATTRIBUTES}
+    attributes = {_attributes.ACCELERATE_WRAPPED, *_attributes.TRANSFORMERS_ATTRIBUTES, *_OWN_ATTRIBUTES}
     out = []
     for read in _private_reads(source):
         if read.startswith("(attribute) "):

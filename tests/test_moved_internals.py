@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import kernelpolicy as kp
-from kernelpolicy import _compat
+from kernelpolicy import _compat, _versions
 from kernelpolicy._attach import _autoattach
 from kernelpolicy._attach._aware import binding_of
 from kernelpolicy._compat import Internal
@@ -199,10 +199,10 @@ def test_a_kernels_newer_than_tested_warns_once_and_every_feature_still_runs(
     monkeypatch: pytest.MonkeyPatch, mapping: Callable[[str], Any]
 ) -> None:
     """Simulated: kernels 0.20.0 with its binding function moved again."""
-    monkeypatch.setattr(_compat.metadata, "version", lambda package: "0.20.0")
-    monkeypatch.setattr(_compat, "_warned", set())
-    _compat.kernels.cache_clear()
-    monkeypatch.setattr(_compat, "kernels", _compat.kernels)  # cleared again on undo
+    monkeypatch.setattr(_versions.metadata, "version", lambda package: "0.20.0")
+    monkeypatch.setattr(_versions, "_warned", set())
+    _versions.kernels.cache_clear()
+    monkeypatch.setattr(_versions, "kernels", _versions.kernels)  # cleared again on undo
     moved = hide(monkeypatch, "KERNELS_BIND")
     with warnings.catch_warnings(record=True) as records:
         warnings.simplefilter("always")
@@ -216,7 +216,7 @@ def test_a_kernels_newer_than_tested_warns_once_and_every_feature_still_runs(
     assert model(X).mean().item() > 50
     with kp.kernels_disabled():
         assert model(X).mean().item() < 50
-    _compat.kernels.cache_clear()
+    _versions.kernels.cache_clear()
 
 
 # --- torch's trace-state readers, chosen at import: each hidden in a process of its own --------------

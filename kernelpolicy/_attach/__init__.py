@@ -5,5 +5,5 @@
 - ``_copies``: kept so through copies and pickles (imported with the package's first torch name, and by ``_attach``);
 - ``_autoattach``: ``auto_attach``, for modules ``kernels`` binds outside kernelpolicy.
 
-Imports: ``_forward``, ``_context``, ``_compat``, ``_values``.
+Imports: ``_forward``, ``_context``, ``_kernel_objects``, ``_compat``, ``_versions``, ``_attributes``, ``_values``.
 """

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Final, TypeVar, cast
 import torch
 from torch import nn
 
-from .. import _compat
+from .. import _attributes, _compat, _kernel_objects, _versions
 from .._context._active import ensure_env
 from .._forward import _watch
 from .._values._errors import PolicyError
@@ -137,7 +137,7 @@ def kernelize(
     if variant is not None:
         _check_variant_name(variant)
         attach(model, attention_fallback=attention_fallback)  # every module policy-aware: kernels' bindings land here
-    kernels = _compat.kernels()
+    kernels = _versions.kernels()
     _watch.watch()
     before = {id(module): module.__dict__.get(REPO) for _, module in kernel_modules(model)} if variant else {}
     token, named = KERNELIZING.set(True), _VARIANT.set(variant)
@@ -155,8 +155,8 @@ def kernelize(
     return attach(model, attention_fallback=attention_fallback)
 
 
-#: kernels >= 0.19 records the repository of a module's kernel on the module (see ``_compat``).
-REPO: Final = _compat.KERNEL_REPO_ATTRIBUTE
+#: kernels >= 0.19 records the repository of a module's kernel on the module (see ``_attributes``).
+REPO: Final = _attributes.KERNEL_REPO_ATTRIBUTE
 
 
 def _variant_repository(module: nn.Module, variant: str, before: object) -> None:
@@ -172,7 +172,7 @@ def _variant_repository(module: nn.Module, variant: str, before: object) -> None
         repository = (
             _compat.describe_repository(recorded)
             if recorded is not None and recorded is not before
-            else _compat.cached_layer_repository(kernel.function)
+            else _kernel_objects.cached_layer_repository(kernel.function)
         )
         binding.variants[variant] = kernel._replace(repository=repository)
     if before is None:
@@ -192,7 +192,7 @@ def _check_variant_name(name: object) -> None:
 
 
 def _kernels_mode(mode: object) -> KernelsMode:
-    Mode = _compat.kernels().Mode  # noqa: N806 - the kernels class
+    Mode = _versions.kernels().Mode  # noqa: N806 - the kernels class
 
     if isinstance(mode, Mode):
         return mode
@@ -220,7 +220,7 @@ def use_kernel_forward_from_hub(
     the instances for which it returns True.
     """
     ensure_env()  # KERNELPOLICY holds from the first forward of a marked class
-    mark = _compat.kernels().use_kernel_forward_from_hub(
+    mark = _versions.kernels().use_kernel_forward_from_hub(
         layer_name, *_condition(condition, "use_kernel_forward_from_hub")
     )
 
@@ -240,7 +240,7 @@ def replace_kernel_forward_from_hub(
 ) -> None:
     """Drop-in for ``kernels.replace_kernel_forward_from_hub`` that also makes ``cls`` policy-aware."""
     ensure_env()
-    _compat.kernels().replace_kernel_forward_from_hub(
+    _versions.kernels().replace_kernel_forward_from_hub(
         cls, layer_name, *_condition(condition, "replace_kernel_forward_from_hub")
     )
     _make_class_aware(cls)
@@ -250,7 +250,7 @@ def _condition(condition: Callable[[nn.Module], bool] | None, what: str) -> tupl
     """kernels' ``condition`` argument, passed only when given (kernels 0.16 has none)."""
     if condition is None:
         return ()
-    if "condition" not in inspect.signature(getattr(_compat.kernels(), what)).parameters:
+    if "condition" not in inspect.signature(getattr(_versions.kernels(), what)).parameters:
         from importlib.metadata import version
 
         raise TypeError(f"{what}(condition=...) needs kernels >= 0.17 (installed: {version('kernels')})")

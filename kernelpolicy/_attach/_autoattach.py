@@ -40,7 +40,7 @@ import types
 import weakref
 from typing import TYPE_CHECKING
 
-from .. import _compat
+from .. import _kernel_objects, _versions
 from .._context._active import POLICY_CHECKS, current_policy
 from .._forward import _watch
 from .._values._errors import warn_at_caller
@@ -90,7 +90,7 @@ def auto_attach(enabled: bool = True) -> bool:
     global _AUTO
     if not isinstance(enabled, bool):
         raise TypeError(f"auto_attach(enabled) takes True or False, got {enabled!r}")
-    _compat.kernels()
+    _versions.kernels()
     with _LOCK:
         previous, _AUTO = _AUTO, enabled
         if enabled:
@@ -162,14 +162,14 @@ def _kernelized_model() -> nn.Module | None:
 @functools.cache
 def _kernelize_code() -> types.CodeType | None:
     """The code of kernels' public ``kernelize`` (whose frame holds ``model``), or None if it has no ``model``."""
-    kernelize = inspect.unwrap(_compat.kernels().kernelize)
+    kernelize = inspect.unwrap(_versions.kernels().kernelize)
     code = getattr(kernelize, "__code__", None)
     return code if isinstance(code, types.CodeType) and "model" in code.co_varnames else None
 
 
 def _bound_before() -> list[nn.Module]:
     """Modules that run a kernel kernels loaded and are not policy-aware (one walk over gc's objects)."""
-    if not _compat.kernels_loaded_a_layer():
+    if not _kernel_objects.kernels_loaded_a_layer():
         return []  # kernels has loaded no kernel layer: it has bound none
     from torch import nn
 

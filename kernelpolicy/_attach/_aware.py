@@ -61,7 +61,7 @@ from typing import TYPE_CHECKING, Any, Final, TypeGuard, cast
 import torch
 from torch import nn
 
-from .. import _compat
+from .. import _attributes, _kernel_objects, _versions
 from .._context._active import in_effect, register_variant
 from .._forward import _call_fold, _watch
 from .._forward._binding import BINDING, ON_CLASS_PATCH, Binding
@@ -74,7 +74,7 @@ if TYPE_CHECKING:
 
 __all__ = ["KERNELIZING", "NO_ORIGINAL", "ORIGINALS", "binding_of", "bound_by_hand", "bound_forward"]
 
-_compat.check_torch()
+_versions.check_torch()
 
 _OURS = ("forward", BINDING)
 # Original class -> its policy-aware subclass, both held weakly: a class defined at run time
@@ -158,7 +158,7 @@ def _make_aware(module: nn.Module, module_name: str | None) -> None:
 
 
 #: Where accelerate's hooks keep the forward they wrap (``add_hook_to_module``), and call it from.
-_WRAPPED: Final = _compat.ACCELERATE_WRAPPED
+_WRAPPED: Final = _attributes.ACCELERATE_WRAPPED
 
 
 def _kernels_form(forward: Any, module: nn.Module) -> TypeGuard[types.MethodType]:
@@ -173,7 +173,7 @@ def _bind(module: nn.Module, assigned: Any, module_name: str | None) -> None:
     original = _class_forward(module)
     kernel = _kernel_function(module, assigned, original)
     kernel_class = _kernel_class(kernel)
-    repository = None  # known once kernels is done binding: Binding.kernel_name asks _compat
+    repository = None  # known once kernels is done binding: Binding.kernel_name asks _kernel_objects
     existing = _stored_binding(module)
     variant = _VARIANT.get()
     if variant is not None and existing is not None:
@@ -254,11 +254,11 @@ def bound_by_hand(module: nn.Module) -> bool:
 def _on_own_module(module: nn.Module, original: Callable[..., Any]) -> Callable[..., Any]:
     """``original``, run on ``module`` itself whatever module the call names, for kernels' function wrappers.
 
-    A kernels >= 0.19 function module routes a call by the module it runs on (``_compat.routes_by_module``):
+    A kernels >= 0.19 function module routes a call by the module it runs on (``_kernel_objects.routes_by_module``):
     under compile the function's global module calls a model's wrapper's forward with itself as ``self``, and
     the original forward run on the global module would route the call back to the wrapper, without end.
     """
-    if not _compat.routes_by_module(original):
+    if not _kernel_objects.routes_by_module(original):
         return original
 
     @functools.wraps(original)

@@ -1,7 +1,8 @@
 """Scopes: how code changes the policy in effect.
 
-This module owns :class:`kernel_policy` (context manager and decorator),
-:func:`kernels_disabled` and :func:`set_default_policy` (``_propagate`` carries a policy elsewhere).
+This module owns :class:`kernel_policy` (context manager and decorator: what
+it does to a function is ``_decorate``'s), :func:`kernels_disabled` and
+:func:`set_default_policy` (``_propagate`` carries a policy elsewhere).
 
 The nesting rule is *a scope decides what it names*: a positional mode (or a
 :class:`~kernelpolicy.Policy` value) names every layer, keyword layers name
@@ -21,22 +22,15 @@ Guarantees:
   exactly, also on ``GeneratorExit`` and task cancellation. Exiting scopes out
   of order raises :class:`~kernelpolicy.errors.ScopeError` instead of silently
   restoring the wrong policy.
-- As a decorator: on a sync function or ``async def`` coroutine the policy
-  holds while the body runs; on a generator or async generator function the
-  body runs in its own copy of the context in which it is first iterated (a
-  generator's body starts at its first ``next()``, and the decorated function
-  stays a generator function), so the policy holds across its yields and the
-  consumer never sees it. Started under ``torch.compile``, it runs eagerly (``_traced.generator_reached``).
+- As a decorator: the policy holds while the body runs, and a generator's
+  across its yields, unseen by the consumer (``_decorate``).
 """
 
 from __future__ import annotations
 
-import contextvars
 import difflib
-import functools
-import inspect
 from contextvars import ContextVar, Token
-from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar, cast, final, overload
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar, final, overload
 
 from .._values._errors import PolicyError, ScopeError, warn_at_caller
 from .._values._policy import (
@@ -66,9 +60,10 @@ from ._active import (
     known_layers,
     known_variants,
 )
+from ._decorate import decorate
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncGenerator, Awaitable, Callable, Generator, Mapping
+    from collections.abc import Callable, Mapping
     from types import TracebackType
 
 __all__ = ["kernel_policy", "kernels_disabled", "set_default_policy", "set_unchecked_default"]
@@ -223,7 +218,7 @@ class kernel_policy:  # noqa: N801 - lowercase like numpy.errstate and decimal.l
         return self._enter_here()
 
     def _enter_here(self) -> Policy:
-        """Enter in this context, as eager code does (also a generator's: see :meth:`_wrap_generator`)."""
+        """Enter in this context, as eager code does (also a generator's: see ``_decorate``)."""
         if self._made is not None:  # made while TorchDynamo traced, entered eagerly (a graph break)
             self._fixed, self._mode, self._layers, options = _validated(*self._made)
             self._options = (options, options_text(options))
@@ -260,121 +255,11 @@ class kernel_policy:  # noqa: N801 - lowercase like numpy.errstate and decimal.l
         _FRAMES.set(frame.enclosing)
 
     def __call__(self, fn: F) -> F:
-        """Decorate ``fn`` so that its body runs under this scope (see the module docstring).
+        """Decorate ``fn`` so that its body runs under this scope (see ``_decorate``).
 
         A ``classmethod`` or ``staticmethod`` (the decorator written above it) stays one, its function decorated.
         """
-        if isinstance(fn, (classmethod, staticmethod)):
-            return cast("F", type(fn)(self(fn.__func__)))
-        if not callable(fn) or inspect.isclass(fn):
-            raise TypeError(f"kernel_policy can decorate functions, not {fn!r}")
-        if inspect.isasyncgenfunction(fn):
-            return cast("F", self._wrap_async_generator(fn))
-        if inspect.iscoroutinefunction(fn):
-            return cast("F", self._wrap_coroutine(fn))
-        if inspect.isgeneratorfunction(fn):
-            return cast("F", self._wrap_generator(fn))
-
-        @functools.wraps(fn)
-        def sync_wrapper(*args: Any, **kwargs: Any) -> Any:
-            with traced.Entered(self) if traced.compiling() else self:
-                return fn(*args, **kwargs)
-
-        return cast("F", sync_wrapper)
-
-    def _wrap_coroutine(self, fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
-        # The coroutine runs in its caller's task; the caller is suspended
-        # while it awaits, so setting the scope around the body is exact.
-        @functools.wraps(fn)
-        async def coroutine_wrapper(*args: Any, **kwargs: Any) -> Any:
-            with self:
-                return await fn(*args, **kwargs)
-
-        return coroutine_wrapper
-
-    def _start(self) -> contextvars.Context:
-        """A generator's own context, this scope entered there eagerly (never exited: dropped with the generator)."""
-        if traced.compiling():  # TorchDynamo traces a generator inlined in its caller: break the graph there
-            traced.generator_reached(self)
-        ctx = contextvars.copy_context()
-        ctx.run(self._enter_here)
-        return ctx
-
-    def _follow(self, ctx: contextvars.Context) -> None:
-        """Before a generator's step: its context counts in the ``record_calls`` blocks active in the consumer's.
-
-        The generator keeps its own policy across yields; the recorders (and whether calls are recorded) are
-        the consumer's at each step, so a recorder counts the calls made while its block is active. A scope
-        that installs recorders of its own (``propagate``) keeps them.
-        """
-        if self._recorders is not None:
-            return
-        ctx.run(_follow_recorders, RECORDERS.get(), DEFAULTS.active._current.recording)
-
-    def _wrap_generator(self, fn: Callable[..., Generator[Any, Any, Any]]) -> Callable[..., Generator[Any, Any, Any]]:
-        @functools.wraps(fn)
-        def generator_wrapper(*args: Any, **kwargs: Any) -> Generator[Any, Any, Any]:
-            ctx, gen = self._start(), fn(*args, **kwargs)
-            try:
-                self._follow(ctx)
-                value = ctx.run(next, gen)
-            except StopIteration as stop:
-                return stop.value
-            while True:
-                try:
-                    sent = yield value
-                except GeneratorExit:
-                    ctx.run(gen.close)
-                    raise
-                except BaseException as exc:  # noqa: BLE001 - forwarded into the generator
-                    try:
-                        self._follow(ctx)
-                        value = ctx.run(gen.throw, exc)
-                    except StopIteration as stop:
-                        return stop.value
-                else:
-                    try:
-                        self._follow(ctx)
-                        value = ctx.run(gen.send, sent)
-                    except StopIteration as stop:
-                        return stop.value
-
-        return generator_wrapper
-
-    def _wrap_async_generator(
-        self, fn: Callable[..., AsyncGenerator[Any, Any]]
-    ) -> Callable[..., AsyncGenerator[Any, Any]]:
-        @functools.wraps(fn)
-        async def async_generator_wrapper(*args: Any, **kwargs: Any) -> AsyncGenerator[Any, Any]:
-            if traced.compiling():  # TorchDynamo traces this frame on its own: skip it (called here, see _traced)
-                skip_frame, message = traced.async_generator_reached(self)
-                skip_frame(message)
-            ctx, agen = self._start(), fn(*args, **kwargs)
-            try:
-                self._follow(ctx)
-                value = await _InContext(ctx, agen.__anext__())
-            except StopAsyncIteration:
-                return
-            while True:
-                try:
-                    sent = yield value
-                except GeneratorExit:
-                    await _InContext(ctx, agen.aclose())
-                    raise
-                except BaseException as exc:  # noqa: BLE001 - forwarded into the generator
-                    try:
-                        self._follow(ctx)
-                        value = await _InContext(ctx, agen.athrow(exc))
-                    except StopAsyncIteration:
-                        return
-                else:
-                    try:
-                        self._follow(ctx)
-                        value = await _InContext(ctx, agen.asend(sent))
-                    except StopAsyncIteration:
-                        return
-
-        return async_generator_wrapper
+        return decorate(self, fn)
 
     def __repr__(self) -> str:
         if self._made is not None:
@@ -386,32 +271,6 @@ class kernel_policy:  # noqa: N801 - lowercase like numpy.errstate and decimal.l
         args += [f"{name}={mode!r}" for name, mode in self._layers.items()]
         args += [f"{name}={value!r}" for name, value in self._options[0].items()]
         return f"kernel_policy({', '.join(args)})"
-
-
-@final
-class _InContext:
-    """Await ``awaitable`` with every step of it run inside ``ctx``."""
-
-    __slots__ = ("_awaitable", "_ctx")
-
-    def __init__(self, ctx: contextvars.Context, awaitable: Awaitable[Any]) -> None:
-        self._ctx = ctx
-        self._awaitable = awaitable
-
-    def __await__(self) -> Generator[Any, Any, Any]:
-        steps = self._awaitable.__await__()
-        run = self._ctx.run
-        sent: Any = None
-        error: BaseException | None = None
-        while True:
-            try:
-                signal = run(steps.send, sent) if error is None else run(steps.throw, error)
-            except StopIteration as stop:
-                return stop.value
-            try:
-                sent, error = (yield signal), None
-            except BaseException as exc:  # noqa: BLE001 - forwarded into the awaitable
-                sent, error = None, exc
 
 
 _DISABLED_ALL = kernel_policy("disable")
@@ -529,14 +388,6 @@ def check_variants(policy: Policy, what: str) -> None:
 def _check(policy: Policy) -> None:
     for check in tuple(POLICY_CHECKS):
         check(policy)
-
-
-def _follow_recorders(recorders: tuple[Any, ...], recording: bool) -> None:
-    """In a generator's context: these recorders, and the recording state, on the policy in effect there."""
-    RECORDERS.set(recorders)
-    active = DEFAULTS.active._current
-    if active.recording != recording:
-        _SCOPED.set(active.recorded(recording))
 
 
 def _recording_scope(policy: Policy | None, *, recording: bool | None, recorders: tuple[Any, ...]) -> kernel_policy:

@@ -13,5 +13,5 @@
 - ``_called``: the path of the module being called, for error messages;
 - ``_watch``: the one wrapper around the function ``kernels`` binds forwards with.
 
-Imports: ``_context``, ``_compat``, ``_values``.
+Imports: ``_context``, ``_kernel_objects``, ``_compat``, ``_attributes``, ``_values``.
 """

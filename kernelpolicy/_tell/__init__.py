@@ -5,5 +5,5 @@
 - ``_warmup``: compiled programs made up front for a set of policies;
 - ``_doctor``: ``python -m kernelpolicy doctor``.
 
-Imports: ``_attach``, ``_forward``, ``_context``, ``_compat``, ``_values``.
+Imports: ``_attach``, ``_forward``, ``_context``, ``_compat``, ``_versions``, ``_attributes``, ``_values``.
 """

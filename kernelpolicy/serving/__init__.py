@@ -36,7 +36,7 @@ import random
 import sys
 from typing import Any
 
-from .. import _compat
+from .. import _compat, _versions
 from .._values._errors import PolicyError
 from .._values._policy import Policy
 from . import _metrics
@@ -255,7 +255,7 @@ def _policy_aware_load(load: Any) -> Any:
         if repos:
             from pathlib import Path
 
-            kernels = _compat.kernels()
+            kernels = _versions.kernels()
             device = str(model.device.type)
             mapping = {
                 name: {device: kernels.LocalLayerRepository(repo_path=Path(path), layer_name=name)}
