@@ -1,12 +1,12 @@
 """What a scope does to a function it decorates: the body runs under the scope.
 
 This module owns what decorating with ``kernel_policy`` does (:func:`decorate`, which
-``kernel_policy.__call__`` calls). On a sync function or ``async def`` coroutine the policy holds while the body runs; on a generator or async
-generator function the body runs in its own copy of the context in which it is first iterated (a
-generator's body starts at its first ``next()``, and the decorated function stays a generator function),
-so the policy holds across its yields and the consumer never sees it; the ``record_calls`` blocks active
-in the consumer's context count its calls at each step. Started under ``torch.compile``, it runs eagerly
-(``_traced.generator_reached``).
+``kernel_policy.__call__`` calls). On a sync function or ``async def`` coroutine the policy holds while the
+body runs; on a generator or async generator function the body runs in its own copy of the context in which it
+is first iterated (a generator's body starts at its first ``next()``, and the decorated function stays a
+generator function), so the policy holds across its yields and the consumer never sees it; the
+``record_calls`` blocks active in the consumer's context count its calls at each step. Started under
+``torch.compile``, it runs eagerly (``_traced.generator_reached``).
 """
 
 from __future__ import annotations
