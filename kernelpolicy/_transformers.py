@@ -52,9 +52,9 @@ from typing import TYPE_CHECKING, Any, Final, NamedTuple
 from torch import nn
 from torch.compiler import is_dynamo_compiling as _is_dynamo
 
-from . import _compat, _kernel_objects
 from ._attach._attach import ATTACH_HOOKS
 from ._attach._aware import NO_ORIGINAL, ORIGINALS, _make_class_aware, binding_of
+from ._compat import _compat, _kernel_objects
 from ._context._active import RECORD_SUFFIX, UNRECORDED, in_effect
 from ._forward import _watch
 from ._tell._explain import ROW_SOURCES, UNGOVERNED_SOURCES, Ungoverned

@@ -38,8 +38,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from . import _compat
 from ._attach._attach import ATTACH_HOOKS
+from ._compat import _compat
 from ._context._active import RECORDERS, activate, current_policy
 from ._context._scope import kernel_policy
 from ._forward._binding import BINDING

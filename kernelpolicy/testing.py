@@ -326,7 +326,7 @@ def local_mapping(repos: Mapping[str, Path | str], *, inherit: bool = True) -> c
     """
     from pathlib import Path
 
-    from ._versions import kernels
+    from ._compat._versions import kernels
 
     module = kernels()
     mapping = {
@@ -393,7 +393,7 @@ def tiny_llama(seed: int = 0, **fields: Any) -> Any:
 
 
 def _mark(layer_name: str) -> Any:
-    from ._versions import kernels
+    from ._compat._versions import kernels
 
     return kernels().use_kernel_forward_from_hub(layer_name)
 

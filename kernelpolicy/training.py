@@ -59,8 +59,8 @@ import torch
 from torch.compiler import is_dynamo_compiling as _is_dynamo
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-from . import _compat
 from ._attach._attach import ATTACH_HOOKS
+from ._compat import _compat
 from ._context._active import RECOMPUTED_WITH_GRAD, ensure_env, in_effect
 from ._context._scope import kernel_policy
 from ._forward._replay import REPLAYING

@@ -22,7 +22,7 @@ from kernelpolicy._forward import _mixing
 from kernelpolicy.testing import kernelize_locally, rms_norm_kernel_source, tiny_llama, write_kernel_repo
 
 transformers = pytest.importorskip("transformers")
-if not all(kp._compat.first_present(seam) for seam in kp._compat.BATCHING):
+if not all(kp._compat._compat.first_present(seam) for seam in kp._compat._compat.BATCHING):
     pytest.skip(
         f"transformers {transformers.__version__} has not the batching seams of 5.22-5.25 (the user is told so; "
         "tests/test_moved_internals.py)",
@@ -413,7 +413,7 @@ def test_the_batching_attributes_kernelpolicy_reads_are_on_a_real_manager(model:
     }
     missing = [
         f"{owner}.{name}"
-        for owner, names in kp._attributes.BATCHING_ATTRIBUTES.items()
+        for owner, names in kp._compat._attributes.BATCHING_ATTRIBUTES.items()
         for name in names
         if owner in objects and not hasattr(objects[owner], name)
     ]
@@ -422,7 +422,9 @@ def test_the_batching_attributes_kernelpolicy_reads_are_on_a_real_manager(model:
     from transformers.generation.continuous_batching import input_outputs
 
     made = inspect.getsource(input_outputs.ContinuousBatchingAsyncIOs.__init__)
-    assert all(f"self.{name} =" in made for name in kp._attributes.BATCHING_ATTRIBUTES["ContinuousBatchingAsyncIOs"])
+    assert all(
+        f"self.{name} =" in made for name in kp._compat._attributes.BATCHING_ATTRIBUTES["ContinuousBatchingAsyncIOs"]
+    )
 
 
 def test_async_io_pairs_without_their_current_pair_are_told(
@@ -450,7 +452,7 @@ def _unwrapped_manager(model: Any, config: Any, monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(ContinuousBatchingManager, "__init__", init.__wrapped__)  # type: ignore[attr-defined]
     manager = model.init_continuous_batching(generation_config=config, continuous_batching_config=batching_config())
     monkeypatch.setattr(ContinuousBatchingManager, "__init__", init)
-    monkeypatch.setattr(kp._compat, "_told", set())  # each missing name is told once per process
+    monkeypatch.setattr(kp._compat._compat, "_told", set())  # each missing name is told once per process
     return manager
 
 

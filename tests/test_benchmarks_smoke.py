@@ -167,7 +167,7 @@ def test_the_persisted_benchmark_times_the_policy_check() -> None:
 
 def test_the_batching_benchmark_times_each_mix(capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("transformers")
-    from kernelpolicy import _compat
+    from kernelpolicy._compat import _compat
 
     if not all(_compat.first_present(seam) for seam in _compat.BATCHING):
         pytest.skip("this transformers has not the batching seams of 5.22-5.25")
@@ -203,7 +203,7 @@ def test_the_serve_mixing_benchmark_runs_every_arm_and_checks_every_answer() -> 
     positive tokens/s and ratios, and every answer equal to its prompt's solo run (exit status 0)."""
     pytest.importorskip("fastapi")
     pytest.importorskip("httpx")
-    from kernelpolicy import _compat
+    from kernelpolicy._compat import _compat
 
     seams = (_compat.SERVING_BUILD, _compat.SERVING_SEND, *_compat.SERVING_RUNNERS)
     if not all(_compat.first_present(seam) for seam in seams):

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 import kernelpolicy as kp
-from kernelpolicy import _attributes, _compat, _versions
-from kernelpolicy._compat import INTERNALS, Found, Internal, lookup, probe
+from kernelpolicy._compat import _attributes, _compat, _versions
+from kernelpolicy._compat._compat import INTERNALS, Found, Internal, lookup, probe
+from kernelpolicy._compat._versions import UnsupportedVersionError, check_version
 from kernelpolicy._context import _state
-from kernelpolicy._versions import UnsupportedVersionError, check_version
 
 
 def test_every_private_name_is_present_on_this_torch() -> None:

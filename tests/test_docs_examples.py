@@ -36,7 +36,7 @@ def test_examples_run(page: str) -> None:
 def test_the_serving_page_runs_where_transformers_has_the_batching_seams() -> None:
     """docs/serving.md needs transformers 5.22 or newer (its continuous batching; older releases tell the user)."""
     pytest.importorskip("transformers")
-    from kernelpolicy import _compat
+    from kernelpolicy._compat import _compat
 
     if not all(_compat.first_present(seam) for seam in _compat.BATCHING):
         pytest.skip("this transformers has not the continuous batching of 5.22-5.25 the page shows")

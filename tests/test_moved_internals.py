@@ -19,10 +19,10 @@ import pytest
 import torch
 
 import kernelpolicy as kp
-from kernelpolicy import _compat, _versions
 from kernelpolicy._attach import _autoattach
 from kernelpolicy._attach._aware import binding_of
-from kernelpolicy._compat import Internal
+from kernelpolicy._compat import _compat, _versions
+from kernelpolicy._compat._compat import Internal
 from kernelpolicy._context import _active
 from kernelpolicy._forward import _watch
 from kernelpolicy.testing import DemoModel
@@ -226,7 +226,7 @@ import dataclasses, pathlib, sys, tempfile, warnings
 
 import torch
 
-from kernelpolicy import _compat
+from kernelpolicy._compat import _compat
 
 entry = sys.argv[1]
 internal = getattr(_compat, entry)

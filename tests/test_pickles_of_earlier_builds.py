@@ -21,6 +21,10 @@ from kernelpolicy import errors, processes
 from kernelpolicy.testing import DemoModel
 
 EARLIER = {
+    "unsupported_version": (
+        "gASVbgAAAAAAAACMFGtlcm5lbHBvbGljeS5fY29tcGF0lIwXVW5zdXBwb3J0ZWRWZXJzaW9uRXJyb3KUk5SMM2tlcm5lbHBvbGljeSBzdXBw"
+        "b3J0cyB0b3JjaD49Mi45LDwyLjE2OyBmb3VuZCAyLjguMJSFlFKULg=="
+    ),
     "policy": (
         "gASVcgAAAAAAAACMFGtlcm5lbHBvbGljeS5fcG9saWN5lIwIX3Jlc3RvcmWUk5SMBnZlcmlmeZSMB1JNU05vcm2UjAdyZXF1aXJl"
         "lIaUhZQoTkc/UGJN0vGp/IwFcmFpc2WUTowMUnVudGltZUVycm9ylIWUTnSUh5RSlC4="
@@ -120,6 +124,14 @@ def test_errors_pickled_before_the_move_load_with_their_fields(key: str, kind: t
     error = _loaded(key)
     assert type(error) is kind
     assert (error.module_name, error.layer_name, error.module_class) == ("m.norm", "RMSNorm", "x.RMSNorm")  # type: ignore[attr-defined]
+
+
+def test_the_version_error_pickled_before_the_move_loads() -> None:
+    from kernelpolicy._compat._versions import UnsupportedVersionError
+
+    error = _loaded("unsupported_version")
+    assert type(error) is UnsupportedVersionError
+    assert str(error) == "kernelpolicy supports torch>=2.9,<2.16; found 2.8.0"
 
 
 def test_a_propagated_function_pickled_before_the_move_runs_under_its_policy() -> None:

@@ -24,7 +24,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
 import kernelpolicy as kp
-from kernelpolicy import _compat
+from kernelpolicy._compat import _compat
 from kernelpolicy._forward import _replay
 from kernelpolicy.testing import DemoModel, kernel_calls, one_rank_process_group
 from kernelpolicy.training import RecomputationError

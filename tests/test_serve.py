@@ -28,7 +28,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kernelpolicy as kp
-from kernelpolicy import _compat
+from kernelpolicy._compat import _compat
 from kernelpolicy.serving import HEADER, MAX_HEADER, PolicyHeader, parse_header
 from kernelpolicy.serving._access import MAX_ENTRIES, MAX_VARIANTS, OTHER, Access
 from kernelpolicy.testing import free_port, wait_for_health

@@ -251,7 +251,7 @@ def test_a_function_with_a_package_fallback_takes_the_torch_path_under_disable(
     with kp.kernels_disabled():
         assert compiled(x).tolist() == [0.0, 0.0]
     plain = Block()
-    with kp._versions.kernels().use_kernel_mapping(
+    with kp._compat._versions.kernels().use_kernel_mapping(
         {"kp_shift": {"cpu": kernels.LocalLayerRepository(repo_path=repo, layer_name="kp_shift")}}
     ):
         kernels.kernelize(plain, mode=kernels.Mode.INFERENCE, device="cpu")

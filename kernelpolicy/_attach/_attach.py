@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Final, TypeVar, cast
 import torch
 from torch import nn
 
-from .. import _attributes, _compat, _kernel_objects, _versions
+from .._compat import _attributes, _compat, _kernel_objects, _versions
 from .._context._active import ensure_env
 from .._forward import _watch
 from .._values._errors import PolicyError

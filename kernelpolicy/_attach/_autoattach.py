@@ -40,7 +40,7 @@ import types
 import weakref
 from typing import TYPE_CHECKING
 
-from .. import _kernel_objects, _versions
+from .._compat import _kernel_objects, _versions
 from .._context._active import POLICY_CHECKS, current_policy
 from .._forward import _watch
 from .._values._errors import warn_at_caller

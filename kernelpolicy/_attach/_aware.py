@@ -61,7 +61,7 @@ from typing import TYPE_CHECKING, Any, Final, TypeGuard, cast
 import torch
 from torch import nn
 
-from .. import _attributes, _kernel_objects, _versions
+from .._compat import _attributes, _kernel_objects, _versions
 from .._context._active import in_effect, register_variant
 from .._forward import _call_fold, _watch
 from .._forward._binding import BINDING, ON_CLASS_PATCH, Binding

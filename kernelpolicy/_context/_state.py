@@ -45,7 +45,7 @@ import torch.compiler as _compiler
 import torch.fx._symbolic_trace as _fx
 from torch.compiler import is_dynamo_compiling as _is_dynamo
 
-from .._compat import COMPILING_FLAG, EXPORTING_FLAG, FUNCTORCH_STACK, FX_TRACING, first_present, lookup
+from .._compat._compat import COMPILING_FLAG, EXPORTING_FLAG, FUNCTORCH_STACK, FX_TRACING, first_present, lookup
 
 __all__ = ["READERS", "TRACING_CHECK", "TRACING_NAMES", "ExecutionState", "execution_state", "in_transform"]
 

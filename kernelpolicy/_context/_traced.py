@@ -39,7 +39,7 @@ import ast
 import sys
 from typing import TYPE_CHECKING, Any, Final, Protocol, final
 
-from .._attributes import DYNAMO_CONSTANT_MARK
+from .._compat._attributes import DYNAMO_CONSTANT_MARK
 from .._values._errors import ScopeError
 from .._values._policy import Policy
 from ._active import DEFAULTS, Active, TracedFrame, named

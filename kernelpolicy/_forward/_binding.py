@@ -20,10 +20,10 @@ import torch.fx._symbolic_trace as _fx  # noqa: F401 - read by the generated for
 from torch import is_grad_enabled as _grad  # noqa: F401 - read by the generated forwards
 from torch.compiler import is_dynamo_compiling as _is_dynamo
 
-from .._attributes import DYNAMO_DISABLE_MARK
+from .._compat._attributes import DYNAMO_DISABLE_MARK
+from .._compat._kernel_objects import kernel_repository
 from .._context import _state
 from .._context._active import MIXED, RECORD_SUFFIX, RECORDERS, in_effect, register_layer_name
-from .._kernel_objects import kernel_repository
 from .._values._errors import KernelMismatchError, KernelUnavailableError, OriginalUnavailableError, unavailable_message
 from .._values._exceptions import exception_types
 from .._values._policy import VARIANTS, variant_names

@@ -22,7 +22,7 @@ from torch.nn.modules.module import (  # the names nn.Module._call_impl reads, f
     _global_forward_pre_hooks,
 )
 
-from .. import _compat
+from .._compat import _compat
 
 if TYPE_CHECKING:
     from collections.abc import Callable

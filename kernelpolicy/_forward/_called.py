@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from .._compat import DYNAMO_CONFIG
+from .._compat._compat import DYNAMO_CONFIG
 
 if TYPE_CHECKING:
     import types

@@ -36,8 +36,8 @@ from typing import TYPE_CHECKING, Any, Final, cast
 
 import torch
 
-from .._attributes import CACHING_PRECOMPILE, DYNAMO_CONSTANT_MARK, DYNAMO_DISABLE_MARK
-from .._compat import TRACING_CONTEXT, first_present, lookup
+from .._compat._attributes import CACHING_PRECOMPILE, DYNAMO_CONSTANT_MARK, DYNAMO_DISABLE_MARK
+from .._compat._compat import TRACING_CONTEXT, first_present, lookup
 from .._context._active import ensure_env, in_effect, layer_facts
 from .._values._errors import ArtifactPolicyError
 

@@ -57,7 +57,7 @@ from typing import TYPE_CHECKING, Any, Final, Literal, Protocol, final
 
 import torch
 
-from .. import _compat
+from .._compat import _compat
 from .._context._scope import kernel_policy
 from .._values._errors import RecomputationError
 

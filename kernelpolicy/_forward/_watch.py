@@ -25,7 +25,7 @@ import threading
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
-from .. import _compat
+from .._compat import _compat
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator

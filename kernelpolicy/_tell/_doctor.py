@@ -30,11 +30,11 @@ import torch
 from torch import nn
 
 from .._attach._attach import attach
-from .._compat import probe
+from .._compat._compat import probe
+from .._compat._versions import SUPPORTED
 from .._context import _state
 from .._context._scope import kernel_policy, kernels_disabled
 from .._forward._call_fold import _CHECKED_CALL_NAMES, FAST_CALL, torch_call_names
-from .._versions import SUPPORTED
 
 __all__ = ["DoctorReport", "doctor"]
 

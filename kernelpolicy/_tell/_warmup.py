@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from .._attributes import FAIL_ON_RECOMPILE_LIMIT, RECOMPILE_LIMIT
+from .._compat._attributes import FAIL_ON_RECOMPILE_LIMIT, RECOMPILE_LIMIT
 from .._context._scope import kernel_policy
 from .._values._policy import Policy
 

@@ -36,7 +36,7 @@ import random
 import sys
 from typing import Any
 
-from .. import _compat, _versions
+from .._compat import _compat, _versions
 from .._values._errors import PolicyError
 from .._values._policy import Policy
 from . import _metrics

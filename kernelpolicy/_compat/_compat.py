@@ -21,7 +21,7 @@ silent no-op. A kernels release newer than the tested range warns once
 (``_versions.check_version``) and otherwise gets the same treatment: every name is
 looked up by attribute, so what did not move keeps working.
 
->>> from kernelpolicy._compat import probe
+>>> from kernelpolicy._compat._compat import probe
 >>> all(found.present for found in probe() if not found.internal.names[0].startswith("transformers."))
 True
 """
@@ -407,7 +407,7 @@ def resolve(internal: Internal) -> Any:
         break
     if internal not in _told:
         _told.add(internal)
-        from ._values._errors import warn_at_caller
+        from .._values._errors import warn_at_caller
 
         effect = internal.fallback or "cannot work"
         names = ", ".join(internal.names)

@@ -57,7 +57,7 @@ def check_version(package: str, installed: str) -> None:
     >>> check_version("kernels", "0.12.3")
     Traceback (most recent call last):
     ...
-    kernelpolicy._versions.UnsupportedVersionError: kernelpolicy needs kernels>=0.16,<0.20 (tested); installed: kernels 0.12.3. Install a supported release: pip install 'kernels>=0.16,<0.20'
+    kernelpolicy._compat._versions.UnsupportedVersionError: kernelpolicy needs kernels>=0.16,<0.20 (tested); installed: kernels 0.12.3. Install a supported release: pip install 'kernels>=0.16,<0.20'
     """
     low, high = SUPPORTED[package]
     spec = f"{package}>={low},<{high}"
