@@ -117,10 +117,9 @@ if not any(isinstance(finder, _Forwarding) for finder in sys.meta_path):
     sys.meta_path.insert(0, _Forwarding())  # first: the old name means the moved module, whatever else is found
 
 #: Features that plug into the core through its hook lists (``_attach.ATTACH_HOOKS``, ``_aware.NO_ORIGINAL``,
-#: ``_aware.CLASS_MEMBERS``: copies and pickles,
 #: ``_explain.ROW_SOURCES`` and ``UNGOVERNED_SOURCES``) when imported: imported here, with the first name
 #: that needs torch, so that they are in place before any module is bound or explained.
-_FEATURES = ("._attach._copies", "._transformers", ".training", ".batching")
+_FEATURES = ("._transformers", ".training", ".batching")
 
 
 def __getattr__(name: str) -> Any:
