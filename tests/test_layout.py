@@ -16,12 +16,9 @@ if TYPE_CHECKING:
 
 PACKAGE = Path(__file__).resolve().parent.parent / "kernelpolicy"
 #: Modules above 500 lines, each one concept whose seams would cut it in the middle (see the closing note of
-#: issue 31): a single class with its slow path, the class machinery with its copy and pickle members, the
-#: policy value with its checks (issue 42 split ``_compat`` and ``_scope`` where a concept stands apart).
-# _binding: split by issue 42 (the house in wings); until then its mixed-step lines (issue 40).
-LARGER = {
-    "_values/_policy.py": 530,
-}
+#: issue 31): the policy value with its checks. Issue 42 split the others where a concept stands apart
+#: (``_binding``, ``_aware``, ``_compat``, ``_scope``).
+LARGER = {"_values/_policy.py": 530}
 
 
 def _concept(name: str) -> str:
