@@ -196,12 +196,8 @@ def _bind(module: nn.Module, assigned: Any, module_name: str | None) -> None:
         kernel_class=kernel_class,
         repository=repository,
         no_original=no_original,
+        replacing=existing,  # kernelized again (train()/eval()): the variants and another library's wrapper stay
     )
-    if existing is not None:
-        binding.variants = existing.variants  # kernelized again (train()/eval()): the variants stay
-        binding.wrapper = existing.wrapper  # and another library's wrapper stays around the new forward
-    module.__dict__[BINDING] = binding
-    binding.install(None if existing is None else existing.dispatcher)
     _AWARE_MODULES.setdefault(binding.layer_name, weakref.WeakSet()).add(module)
 
 

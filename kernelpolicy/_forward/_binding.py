@@ -119,7 +119,13 @@ class Binding:
         kernel_class: type | None,
         repository: str | None,
         no_original: str | None = None,
+        replacing: Binding | None = None,
     ) -> None:
+        """Bind ``module``: the binding is stored on it and its forward installed (one call from ``_aware``).
+
+        ``replacing``: the module's binding until now (kernelized again: ``train()``/``eval()``), whose variants
+        and other library's wrapper stay, and whose forward is redirected to the new one.
+        """
         self.module = module
         self.module_name = module_name
         self.layer_name = layer_name
@@ -160,6 +166,11 @@ class Binding:
         #: What the forward recorded for recomputations in backward (activation checkpointing), see ``_replay``.
         self.replays = Replays(self)
         self.nested: bool | None = None  # policy-aware layers inside the module? (asked by a mixed call)
+        if replacing is not None:
+            self.variants = replacing.variants
+            self.wrapper = replacing.wrapper
+        module.__dict__[BINDING] = self
+        self.install(None if replacing is None else replacing.dispatcher)
 
     def kernel_name(self) -> str | None:
         """The bound kernel as ``explain`` shows it: its repository and layer when known, else its class; None without."""
