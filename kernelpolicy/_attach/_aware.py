@@ -1,4 +1,4 @@
-"""Making modules and classes policy-aware, and keeping them so through kernels, copies and pickles.
+"""Making modules and classes policy-aware, and keeping them so through kernels (copies and pickles: ``_copies``).
 
 This module owns :func:`binding_of` (a module's :class:`~kernelpolicy._forward._binding.Binding`) and how a module
 becomes policy-aware (``_make_aware``, ``_bind``), called by ``attach`` and ``kernelize`` (``_attach``) and
@@ -118,9 +118,9 @@ def _resync(module: nn.Module) -> None:
     ``__delattr__``): for a policy-aware module that removes the dispatcher, so the module would run its
     original forward under every policy while its binding still named the old kernel. Here that becomes
     what kernels meant, "no kernel" (or, while :func:`kernelize` binds a variant, "no such variant"). Called
-    by the watch on kernels' binding function (``_watch``), by :func:`kernelize` after kernels is done, by
-    :func:`attach`, and by :func:`binding_of`, so that ``explain``, ``require`` and copies are right even where
-    kernels' binding function cannot be watched.
+    by the watch on kernels' binding function (``_watch``), by :func:`kernelize` after kernels bound a variant,
+    and by :func:`binding_of` (so by :func:`attach`), so that ``explain``, ``require`` and copies are right even
+    where kernels' binding function cannot be watched.
     """
     binding = _stored_binding(module)
     if binding is not None and "forward" not in module.__dict__:

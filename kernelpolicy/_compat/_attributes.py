@@ -25,7 +25,7 @@ __all__ = [
 ]
 
 #: Not a name to look up but an attribute TorchDynamo reads on functions (``torch.compiler.disable``
-#: sets it); ``_dispatch`` sets it on the function that raises ``require``'s error under compile.
+#: sets it); ``_binding`` sets it on the function that raises ``require``'s error under compile.
 #: ``tests/test_tracing.py`` (require, fullgraph=False) fails if Dynamo stops honouring it.
 DYNAMO_DISABLE_MARK = "_torchdynamo_disable"
 #: Likewise: the mark ``torch._dynamo.assume_constant_result`` sets (Dynamo calls such a function at trace

@@ -43,7 +43,7 @@ from ._dispatch import (
     decide,
     make_forward,
 )
-from ._failures import _logged, failed, log_fallback, log_once, reset_failures, unsupported, variant_failed
+from ._failures import failed, first_time, log_fallback, log_once, reset_failures, unsupported, variant_failed
 from ._mixing import run_mixed
 from ._persisted import checked, persisting  # noqa: F401 - read by the generated forwards
 from ._replay import Replays
@@ -447,8 +447,7 @@ class Binding:
             )
             if policy.on_mismatch == "raise":
                 raise error
-            if (self.layer_name, "mismatch") not in _logged:
-                _logged.add((self.layer_name, "mismatch"))
+            if first_time(self.layer_name, "mismatch"):
                 logger.warning("%s (logged once per layer)", error)
         return out
 

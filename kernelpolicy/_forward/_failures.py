@@ -29,6 +29,7 @@ __all__ = [
     "ON_STOPPED",
     "Failing",
     "failed",
+    "first_time",
     "log_fallback",
     "log_once",
     "reset_failures",
@@ -181,10 +182,17 @@ def log_fallback(binding: Failing, reason: str) -> None:
     log_once(binding, reason, level, f"falls back to its original forward: {reason}")
 
 
+def first_time(layer_name: str, key: str) -> bool:
+    """Whether ``key`` of kernel layer ``layer_name`` is said now for the first time (from now on: said)."""
+    if (layer_name, key) in _logged:
+        return False
+    _logged.add((layer_name, key))
+    return True
+
+
 def log_once(binding: Failing, key: str, level: int, what: str) -> None:
     """Log ``what`` of the binding's kernel layer, once per layer and ``key``."""
-    if (binding.layer_name, key) not in _logged:
-        _logged.add((binding.layer_name, key))
+    if first_time(binding.layer_name, key):
         logger.log(
             level, "kernel layer %r (%s at %r) %s", binding.layer_name, binding.module_class, binding.module_name, what
         )
