@@ -78,12 +78,22 @@ def test_kernelize_takes_in_a_popped_forward_once_per_module(tmp_path: Path, mon
     calls: list[object] = []
     resync = _attach._resync
     monkeypatch.setattr(_attach, "_resync", lambda module: (calls.append(module), resync(module))[1])
-    repo = write_kernel_repo(tmp_path, rms_norm_kernel_source(offset=100.0))
+    import torch
+
+    repo = write_kernel_repo(tmp_path / "default", rms_norm_kernel_source(offset=100.0))
+    other = write_kernel_repo(tmp_path / "again", rms_norm_kernel_source(offset=200.0))
     model = DemoModel(8).eval()
     with local_mapping({"RMSNorm": repo}):
         kp.kernelize(model, mode="inference", device="cpu")
-        assert calls == []
+    assert calls == []
+    with local_mapping({"RMSNorm": other}):
         kp.kernelize(model, mode="inference", device="cpu", variant="again")
     norms = [module for module in model.modules() if type(module).__name__.endswith("RMSNorm")]
     assert len(calls) == len(norms) == 3 and set(map(id, calls)) == set(map(id, norms))
-    assert kp.will_use_kernel(model.norm) and "again" in _attach.binding_of(model.norm).variants  # type: ignore[union-attr]
+    # the paths, seen in the outputs: the kernel adds 100, the variant 200, the original nothing
+    x = torch.randn(2, 8)
+    with kp.kernels_disabled():
+        original = model.norm(x)
+    torch.testing.assert_close(model.norm(x), original + 100)
+    with kp.kernel_policy(RMSNorm="kernel:again"):
+        torch.testing.assert_close(model.norm(x), original + 200)
