@@ -43,7 +43,7 @@ from ._compat import _compat
 from ._context._active import RECORDERS, activate, current_policy
 from ._context._scope import kernel_policy
 from ._forward._binding import BINDING
-from ._forward._mixing import ROWS, MixedCallError, Step, declare_rows, mixable, mixed_scope
+from ._forward._mixing import ROWS, MixedCallError, Step, UnsplittableCall, declare_rows, mixable, mixed_scope
 from ._values._errors import KernelMismatchError, KernelUnavailableError, PolicyError
 
 if TYPE_CHECKING:
@@ -72,6 +72,9 @@ class _Batch(NamedTuple):
     host_rows: list[int]
     slot_recorders: dict[int, tuple[Any, ...]]
     requests: dict[str, int]  # request id -> slot
+    #: The batch's requests as transformers prepared them, with what preparing advanced on each (to run it again).
+    futures: tuple[Any, ...] = ()
+    before: tuple[tuple[int, list[int]], ...] = ()
 
 
 class _Requests:
@@ -90,6 +93,11 @@ class _Requests:
         self.turn = itertools.count()
         #: The policies each step served, the last 10,000 (what an operator or a test reads).
         self.history: collections.deque[tuple[Policy, ...]] = collections.deque(maxlen=10_000)
+        #: Row counts at which a mixed call could not tell the step's rows apart (a per-head norm of as many heads):
+        #: mixed steps of these counts run one policy at a time.
+        self.unsplittable_counts: set[int] = set()
+        #: Layers whose outputs show no rows (a value for the whole call that differs by path): grouped by policy.
+        self.grouped: set[str] = set()
         #: What requests transformers finished in this turn of its loop had: an offloaded request is finished, then
         #: queued again at once, and gets it back (cleared at the next turn).
         self.finished: dict[str, tuple[Policy, tuple[Any, ...]]] = {}
@@ -231,7 +239,7 @@ class _Rows:
     def table(self, slots: tuple[int, ...], recording: bool) -> Active:
         """One policy's table, or the mixed table of the slots (of every policy served, when steps are static)."""
         step = self.step
-        if self.static and len(step.policies) > 1 and mixable(tuple(step.policies), self.layers):
+        if self.static and len(step.policies) > 1 and mixable(tuple(step.policies), self.layers, self.requests.grouped):
             return step.table(tuple(range(len(step.policies))), recording)
         if len(slots) == 1:
             return activate(step.policies[slots[0]], recording)
@@ -254,6 +262,34 @@ def _wrap_processor(processor: Any, requests: _Requests) -> None:
     prepare, batch_update = ios.prepare_batch_tensors, ios.prepare_batch_update
     step, warmup, use_async = processor._generation_step, processor.warmup, bool(processor.use_async_batching)
     failed: dict[str, Exception] = {}  # the requests a policy's error failed in the step that ran last
+    arguments: dict[int, tuple[Any, bool, int, bool]] = {}  # by IO pair: what its batch was prepared with
+    #: The outputs of a step run one policy at a time (requests, tokens, log-probs), for transformers' update.
+    apart: list[tuple[list[Any], list[Any], list[Any] | None]] = []
+
+    def run_apart(model: Any, batch: _Batch) -> None:
+        """Run ``batch``'s step again one policy at a time: each policy's requests prepared and run on their own."""
+        apart.clear()
+        processors, decode, max_kv_read, padding = arguments[rows.pair()]
+        slots = dict.fromkeys(batch.requests.values())
+        for slot in slots:
+            futures = [f for f in batch.futures if batch.requests[f.state.request_id] == slot]
+            for future, (offset, tokens) in zip(batch.futures, batch.before, strict=True):
+                if batch.requests[future.state.request_id] == slot:
+                    future.state.position_offset, future.state.tokens_to_process = offset, list(tokens)
+            count = sum(int(f.query_length) for f in futures)
+            if rows.static:
+                count, max_kv_read = processor.model_runner.maybe_pad_inputs(count, max_kv_read, decode)
+            prepare(futures, processors, decode, count, max_kv_read, padding)
+            alone = rows.prepared(futures, count)
+            rows.begin(alone)
+            try:
+                with mixed_scope(alone.table, alone.recorders):
+                    step(model)
+            except POLICY_ERRORS as error:
+                for request_id in alone.requests:
+                    failed[request_id] = error
+            in_batch, tokens, logprobs = batch_update()
+            apart.append((list(in_batch), list(tokens), None if logprobs is None else list(logprobs)))
 
     def prepare_batch_tensors(
         requests_in_batch: list[Any],
@@ -263,9 +299,11 @@ def _wrap_processor(processor: Any, requests: _Requests) -> None:
         max_kv_read: int,
         use_padding: bool,
     ) -> None:
+        before = tuple((f.state.position_offset, list(f.state.tokens_to_process)) for f in requests_in_batch)
         prepare(requests_in_batch, logits_processors, use_decode_fast_path, num_q_tokens, max_kv_read, use_padding)
-        batch = rows.prepared(requests_in_batch, num_q_tokens)
+        batch = rows.prepared(requests_in_batch, num_q_tokens)._replace(futures=tuple(requests_in_batch), before=before)
         rows.batches[rows.pair()] = batch
+        arguments[rows.pair()] = (logits_processors, use_decode_fast_path, max_kv_read, use_padding)
         if not use_async:
             rows.begin(batch)  # warm-up computes right after preparing, without a generation step
         requests.history.append(tuple(rows.step.policies[s] for s in sorted(set(batch.requests.values()))))
@@ -279,8 +317,20 @@ def _wrap_processor(processor: Any, requests: _Requests) -> None:
         rows.begin(batch)
         while True:
             try:
+                if batch.table.mix is not None and len(batch.host_rows) in requests.unsplittable_counts:
+                    run_apart(model, batch)  # a row count at which a mixed call cannot tell the rows apart
+                    return
                 with mixed_scope(batch.table, batch.recorders):
                     step(model)
+                return
+            except UnsplittableCall as error:
+                if use_async or _compat.missing_attributes({"RequestState": batch.futures[0].state}):
+                    raise
+                if error.size is None:
+                    requests.grouped.add(error.layer_name)  # later steps keep its policies apart
+                else:
+                    requests.unsplittable_counts.add(error.size)
+                run_apart(model, batch)
                 return
             except MixedCallError as error:
                 if use_async:
@@ -297,7 +347,18 @@ def _wrap_processor(processor: Any, requests: _Requests) -> None:
                 return
 
     def prepare_batch_update() -> Any:
-        in_batch, tokens, logprobs = batch_update()
+        if apart:  # a step run one policy at a time: the outputs of each run, in turn
+            in_batch: list[Any] = []
+            tokens: list[Any] = []
+            logprobs: list[Any] | None = None if apart[0][2] is None else []
+            for part_batch, part_tokens, part_logprobs in apart:
+                in_batch.extend(part_batch)
+                tokens.extend(part_tokens)
+                if logprobs is not None and part_logprobs is not None:
+                    logprobs.extend(part_logprobs)
+            apart.clear()
+        else:
+            in_batch, tokens, logprobs = batch_update()
         if not failed:
             return in_batch, tokens, logprobs
         kept, kept_tokens, kept_logprobs, index = [], [], [], 0
@@ -321,7 +382,7 @@ def _wrap_processor(processor: Any, requests: _Requests) -> None:
 
     def warm_up(model: Any) -> None:
         served = tuple(dict.fromkeys((current_policy(), *requests.policies)))
-        if rows.static and len(served) > 1 and mixable(served, requests.layers):
+        if rows.static and len(served) > 1 and mixable(served, requests.layers, requests.grouped):
             for policy in served:
                 rows.step.slot(policy)
             with mixed_scope(rows.table(tuple(range(len(rows.step.policies))), False), ()):
@@ -373,7 +434,7 @@ def _schedule_every_policy(scheduler: Any, requests: _Requests) -> None:
         with_work: dict[Policy, None] = {}
         for request_id in itertools.chain(scheduler.active_requests, scheduler.waiting_requests_order):
             with_work.setdefault(requests.of(request_id)[0], None)
-        classes = _classes(tuple(with_work), requests.layers)
+        classes = _classes(tuple(with_work), requests.layers, requests.grouped)
         if len(classes) <= 1:
             return schedule(token_budget, cache_budget)
         first = next(requests.turn) % len(classes)
@@ -405,11 +466,12 @@ def _schedule_every_policy(scheduler: Any, requests: _Requests) -> None:
     scheduler.clear_cancelled_requests = clear_cancelled_requests
 
 
-def _classes(policies: tuple[Policy, ...], layers: frozenset[str]) -> list[frozenset[Policy]]:
-    """``policies`` in classes that may share a step: the same entries and options on every undeclared layer."""
-    if len(policies) <= 1 or mixable(policies, layers):
+def _classes(policies: tuple[Policy, ...], layers: frozenset[str], grouped: set[str]) -> list[frozenset[Policy]]:
+    """``policies`` in classes that may share a step: the same entries and options on every undeclared layer (and
+    every layer found unsplittable)."""
+    if len(policies) <= 1 or mixable(policies, layers, grouped):
         return [frozenset(policies)]
-    undeclared = sorted(layers - set(ROWS))
+    undeclared = sorted((layers - set(ROWS)) | (layers & grouped))
     keyed: dict[tuple[Any, ...], list[Policy]] = {}
     for policy in policies:
         keyed.setdefault(tuple((policy.entry_for(n), policy.options) for n in undeclared), []).append(policy)

@@ -60,6 +60,8 @@ BATCHING_ATTRIBUTES: Final[dict[str, tuple[str, ...]]] = {
     "ContinuousBatchingAsyncIOs": ("current_pair",),  # async batching's two IO pairs: each step's rows buffer
     "Scheduler": ("active_requests", "waiting_requests", "waiting_requests_order"),
     "PagedAttentionCache": ("cache_allocators",),
+    #: What preparing a batch advances on each request: put back to run a step again one policy at a time.
+    "RequestState": ("position_offset", "tokens_to_process"),
 }
 #: The instance attribute in which kernels >= 0.19 records the repository a module's kernel came from (what
 #: its public ``get_kernelized_layers`` reads). kernelpolicy reads it through that function, and writes it

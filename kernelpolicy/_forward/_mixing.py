@@ -28,6 +28,7 @@ the original on every row and selects by a per-slot table (an input too): no gua
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 from typing import TYPE_CHECKING, Any, Final, Literal, NamedTuple, Protocol, final
 
@@ -37,9 +38,10 @@ from torch.compiler import is_dynamo_compiling as _is_dynamo
 from .._context._active import _SCOPED, RECORDERS, Active, activate_mixed, in_effect, known_layers
 from .._context._scope import _recording_scope
 from .._values._errors import PolicyError
+from .._values._tensors import map_tensors
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterator, Mapping
+    from collections.abc import Callable, Collection, Iterator, Mapping
 
     from torch import nn
 
@@ -52,9 +54,11 @@ __all__ = [
     "MixedCallError",
     "Rows",
     "Step",
+    "UnsplittableCall",
     "declare_rows",
     "mixable",
     "mixed_scope",
+    "row_axis",
     "run_mixed",
 ]
 
@@ -157,11 +161,12 @@ def declare_rows(layer_name: str, by: Kind, *, dim: int = -2, join: Join = "sele
         ROWS[layer_name] = Rows(by, dim, join)
 
 
-def mixable(policies: tuple[Policy, ...], layers: frozenset[str] | None = None) -> bool:
-    """Whether rows of ``policies`` may share one call: every known layer they disagree on is declared."""
+def mixable(policies: tuple[Policy, ...], layers: frozenset[str] | None = None, grouped: Collection[str] = ()) -> bool:
+    """Whether rows of ``policies`` may share one call: every known layer they disagree on is declared (and not
+    in ``grouped``: layers found unsplittable, kept apart as if undeclared)."""
     names = known_layers() if layers is None else layers
     for name in names:
-        if name in ROWS:
+        if name in ROWS and name not in grouped:
             continue
         first = policies[0]
         facts = (first.entry_for(name), first.options)
@@ -196,6 +201,7 @@ class _Group(NamedTuple):
     policies: tuple[Policy, ...]
     mask: torch.Tensor  # (rows,) bool: the group's rows
     rows: torch.Tensor | None  # the group's rows, where it runs on them only (a split join, or fallback_on)
+    own: torch.Tensor  # the group's rows, always (what its path may write back)
     recorders: tuple[Any, ...]
     #: For a group that runs on every row of a layer by token: the scope of that attempt, whose calls are held.
     attempt: tuple[Any, _Held] | None
@@ -270,14 +276,15 @@ class Step:
             recorders = tuple(dict.fromkeys(r for slot in slots for r in self.recorders.get(slot, ())))
             policy = self.policies[slots[0]]
             own = rows.join == "split" or (rows.by == "token" and bool(policy.fallback_on))
-            index = positions[host_mask].to(self.device) if own else None
+            own_rows = positions[host_mask].to(self.device)
+            index = own_rows if own else None
             scope = _recording_scope(policy, recording=bool(recorders), recorders=recorders)
             attempt = None
             if not own and rows.by == "token":
                 held = _Held()
                 attempt = (_recording_scope(policy, recording=bool(recorders), recorders=(held,)), held)
             policies = tuple(self.policies[s] for s in slots)
-            groups.append(_Group(scope, policies, host_mask.to(self.device), index, recorders, attempt))
+            groups.append(_Group(scope, policies, host_mask.to(self.device), index, own_rows, recorders, attempt))
         self._plans[key] = groups
         return groups
 
@@ -319,17 +326,53 @@ def mixed_scope(active: Active, recorders: tuple[Any, ...]) -> Iterator[None]:
         _SCOPED.reset(token)
 
 
+class UnsplittableCall(Exception):  # noqa: N818  # a signal to the batching seam, not an error of the user's
+    """A mixed call whose shapes do not show the step's rows: no row of it is joined, the step runs again.
+
+    Raised before any caller's tensor is written. ``size`` is the step's row count where a tensor has several axes
+    of that size (a step of another row count, or one policy at a time, is right); None where a value shows no
+    row at all (an output without an axis of the step's rows that differs between the paths).
+    """
+
+    def __init__(self, layer_name: str, reason: str, size: int | None) -> None:
+        super().__init__(f"kernel layer {layer_name!r}: the rows of a mixed call cannot be told apart: {reason}")
+        self.layer_name = layer_name
+        self.size = size
+
+
+def row_axis(tensor: torch.Tensor, count: int, layer_name: str) -> int | None:
+    """The one axis of ``tensor`` of size ``count`` (the step's rows), None if it has none.
+
+    Several such axes (a step of 4 rows through a per-head norm of 4 heads): :class:`UnsplittableCall`.
+    """
+    found = None
+    for axis, size in enumerate(tensor.shape):
+        if size == count:
+            if found is not None:
+                raise UnsplittableCall(layer_name, f"{count} rows and a tensor of shape {tuple(tensor.shape)}", count)
+            found = axis
+    return found
+
+
 def run_mixed(binding: Mixed, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """One call of ``binding``'s module whose rows follow different paths (its entry is ``MIXED``)."""
+    """One call of ``binding``'s module whose rows follow different paths (its entry is ``MIXED``).
+
+    The rows are found from the call: the axis of each tensor whose size is the step's row count. Each group runs
+    on inputs of its own (clones, or its own rows), and what a path wrote in place reaches a caller's tensor on
+    that path's rows only.
+    """
     members: Members = in_effect().mix
     rows = ROWS.get(binding.layer_name, Rows("request"))  # an undeclared layer is grouped by the scheduler
     step = members.step
+    name = binding.layer_name
     if _is_dynamo():
+        count = step.rows.shape[0]
         original = binding.original(binding.module, *args, **kwargs)
         if binding.kernel is None or not binding.can_torch_compile:
             return original
-        on = members.kernel_on(binding.layer_name)[step.rows]
-        return _select(on, binding.kernel(binding.module, *args, **kwargs), original, rows.dim)
+        on = members.kernel_on(name)[step.rows]
+        kernel = binding.kernel(binding.module, *args, **kwargs)
+        return _joined(name, count, [(on, kernel), (None, original)], [])
     groups = step.plan(binding, members, rows)
     if len(groups) == 1:  # the policies differ on the layer, not on its path here (no kernel bound, say)
         try:
@@ -338,95 +381,204 @@ def run_mixed(binding: Mixed, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
         except Exception as error:
             raise MixedCallError(groups[0].policies, error) from error
     count = len(step.host_rows)
-    ran = [_run_group(binding, group, args, kwargs, rows.dim, count) for group in groups]
+    call = _Call(name, count, args, kwargs)
+    ran = [_run_group(binding, group, call) for group in groups]
     whole = [(group.mask, output) for group, (index, output) in zip(groups, ran, strict=True) if index is None]
     parts = [(index, output) for index, output in ran if index is not None]
-    if whole:
-        out = whole[-1][1]
-        for mask, output in whole[-2::-1]:
-            out = _select(mask, output, out, rows.dim)
-        return _put(out, parts, rows.dim) if parts else out
-    return _joined(parts, rows.dim, count)
+    out = _joined(name, count, [*whole[:-1], (None, whole[-1][1])], parts) if whole else _joined(name, count, [], parts)
+    call.write_back()
+    return out
 
 
-def _run_group(
-    binding: Mixed, group: _Group, args: tuple[Any, ...], kwargs: dict[str, Any], dim: int, count: int
-) -> tuple[torch.Tensor | None, Any]:
+class _Call:
+    """The arguments of one mixed call, as each group gets them (clones, or its own rows), and what each wrote."""
+
+    __slots__ = ("args", "count", "kwargs", "name", "written")
+
+    def __init__(self, name: str, count: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self.name, self.count, self.args, self.kwargs = name, count, args, kwargs
+        #: Per copy of a caller's tensor: (the tensor, the copy, the copy's version when made, the group's rows,
+        #: whether the copy holds every row).
+        self.written: list[tuple[torch.Tensor, torch.Tensor, int, torch.Tensor, bool]] = []
+
+    def own(self, rows: torch.Tensor, every_row: bool) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """A group's arguments: each tensor with the step's rows cloned (``every_row``) or cut to ``rows``."""
+
+        def copy(tensor: torch.Tensor) -> torch.Tensor:
+            if self.count not in tensor.shape:
+                return tensor  # no row of the step (a table, positions of another length): the same for each group
+            if every_row:
+                made = tensor.clone()
+            else:
+                axis = row_axis(tensor, self.count, self.name)
+                made = tensor if axis is None else tensor.index_select(axis, rows)
+            self.written.append((tensor, made, made._version, rows, every_row))
+            return made
+
+        return map_tensors(self.args, copy), map_tensors(self.kwargs, copy)
+
+    def discard(self, mark: int) -> None:
+        """Forget the copies made since ``mark`` (a group's attempt that raised: it runs again on its own rows)."""
+        del self.written[mark:]
+
+    def write_back(self) -> None:
+        """What a path wrote in place into a copy of a caller's tensor, back into it on the group's rows only."""
+        for tensor, made, version, rows, every_row in self.written:
+            if made._version == version:
+                continue
+            axis = row_axis(tensor, self.count, self.name)
+            if axis is None:
+                continue
+            with torch.no_grad():
+                tensor.index_copy_(axis, rows, made.index_select(axis, rows) if every_row else made)
+        self.written.clear()
+
+
+def _run_group(binding: Mixed, group: _Group, call: _Call) -> tuple[torch.Tensor | None, Any]:
     """One group's call: its rows (None: every row) and its output; its error as :class:`MixedCallError`."""
-    index = group.rows
+    index, own_rows = group.rows, group.own
     try:
         if group.attempt is not None:  # every row, the calls held: another group's rows may make the kernel raise
             scope, held = group.attempt
             held.calls.clear()
+            mark = len(call.written)
             try:
+                args, kwargs = call.own(own_rows, True)
                 with scope:
                     output = binding.dispatcher(*args, **kwargs)
+            except UnsplittableCall:
+                raise
             except Exception:  # noqa: BLE001  # retried below on its own rows, where it stands or is raised
-                index = torch.nonzero(group.mask).flatten()  # again on its own rows: the error is theirs, or none
+                call.discard(mark)
+                index = own_rows  # again on its own rows: the error is theirs, or none
             else:
                 for recorder in group.recorders:
-                    for call in held.calls:
-                        recorder.add(*call)
+                    for made in held.calls:
+                        recorder.add(*made)
                 return None, output
         with group.scope:
             if index is None:
+                args, kwargs = call.own(own_rows, True)
                 return None, binding.dispatcher(*args, **kwargs)
-            call_args, call_kwargs = _taken(args, kwargs, index, dim, count)
-            return index, binding.dispatcher(*call_args, **call_kwargs)
+            args, kwargs = call.own(index, False)
+            return index, binding.dispatcher(*args, **kwargs)
+    except UnsplittableCall:
+        raise
     except Exception as error:
         raise MixedCallError(group.policies, error) from error
 
 
-def _select(mask: torch.Tensor, chosen: Any, other: Any, dim: int) -> Any:
-    """``chosen`` where ``mask`` (one entry per row along ``dim``), else ``other``; through tuples and lists."""
-    if isinstance(chosen, torch.Tensor):
-        shape = [1] * chosen.dim()
-        shape[dim] = mask.shape[0]
-        return torch.where(mask.view(shape), chosen, other)
-    if isinstance(chosen, (tuple, list)):
-        return type(chosen)(_select(mask, a, b, dim) for a, b in zip(chosen, other, strict=True))
-    return chosen
+def _joined(
+    name: str, count: int, whole: list[tuple[torch.Tensor | None, Any]], parts: list[tuple[torch.Tensor, Any]]
+) -> Any:
+    """The outputs of the groups joined per row, through tensors, tuples (named too), lists, dicts and dataclasses.
 
+    ``whole``: the outputs of groups that ran on every row, each with its rows' mask, the last one (mask None)
+    the base; ``parts``: the outputs of groups that ran on their own rows, with those rows.
+    """
+    values = [output for _, output in whole] + [output for _, output in parts]
+    first = values[0]
 
-def _taken(
-    args: tuple[Any, ...], kwargs: dict[str, Any], index: torch.Tensor, dim: int, count: int
-) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """The arguments with the rows of ``index`` only (tensors with ``count`` rows along ``dim``)."""
+    def fields(key: Any) -> tuple[list[tuple[torch.Tensor | None, Any]], list[tuple[torch.Tensor, Any]]]:
+        return [(mask, key(output)) for mask, output in whole], [(index, key(output)) for index, output in parts]
 
-    def take(value: Any) -> Any:
-        if isinstance(value, torch.Tensor) and value.dim() >= -dim and value.shape[dim] == count:
-            return value.index_select(value.dim() + dim, index)
-        return value
+    def each(items: list[Any]) -> list[Any]:
+        return [_joined(name, count, *fields(lambda output, i=i: output[i])) for i in range(len(items))]
 
-    return tuple(take(a) for a in args), {k: take(v) for k, v in kwargs.items()}
-
-
-def _joined(parts: list[tuple[torch.Tensor, Any]], dim: int, count: int) -> Any:
-    """The outputs of groups that ran on their own rows (``(rows, output)``), put back in row order."""
-    first = parts[0][1]
     if isinstance(first, torch.Tensor):
-        shape = list(first.shape)
-        axis = first.dim() + dim
-        shape[axis] = count
-        out = first.new_empty(shape)
-        for index, output in parts:
-            out.index_copy_(axis, index, output)
-        return out
+        if not all(isinstance(value, torch.Tensor) for value in values):
+            raise UnsplittableCall(name, "a path returned a tensor where another did not", None)
+        return _joined_tensor(name, count, whole, parts)
     if isinstance(first, (tuple, list)):
-        return type(first)(_joined(_field(parts, i), dim, count) for i in range(len(first)))
-    return first
+        if any(type(value) is not type(first) or len(value) != len(first) for value in values):
+            raise UnsplittableCall(name, "the paths returned sequences of different types or lengths", None)
+        joined = each(list(first))
+        if isinstance(first, tuple):
+            return type(first)(*joined) if hasattr(first, "_fields") else tuple(joined)
+        return joined
+    if isinstance(first, dict):
+        keys = list(first)
+        if any(type(value) is not type(first) or list(value) != keys for value in values):
+            raise UnsplittableCall(name, "the paths returned mappings of different types or keys", None)
+        mapping = {key: _joined(name, count, *fields(lambda output, key=key: output[key])) for key in keys}
+        if type(first) is dict:
+            return mapping
+        if all(isinstance(key, str) for key in keys):
+            return type(first)(**mapping)
+        return type(first)(mapping)
+    if dataclasses.is_dataclass(first) and not isinstance(first, type):
+        if any(type(value) is not type(first) for value in values):
+            raise UnsplittableCall(name, "the paths returned different types", None)
+        changes = {
+            field.name: _joined(name, count, *fields(lambda output, n=field.name: getattr(output, n)))
+            for field in dataclasses.fields(first)
+            if field.init
+        }
+        return dataclasses.replace(first, **changes)
+    if all(value is first or _equal(value, first) for value in values[1:]):
+        return first
+    raise UnsplittableCall(name, f"the paths returned different values of {type(first).__name__}, not rows", None)
 
 
-def _put(out: Any, parts: list[tuple[torch.Tensor, Any]], dim: int) -> Any:
-    """``out`` with the rows of each part replaced by its output (a new tensor: ``out`` may be a module's)."""
-    if isinstance(out, torch.Tensor):
+def _equal(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001  # a value without a plain equality is not the same value
+        return False
+
+
+def _joined_tensor(
+    name: str, count: int, whole: list[tuple[torch.Tensor | None, Any]], parts: list[tuple[torch.Tensor, Any]]
+) -> torch.Tensor:
+    """One tensor of the outputs joined on its axis of the step's rows (see :func:`_joined`)."""
+    if whole:
+        base: torch.Tensor = whole[-1][1]
+        axis = row_axis(base, count, name)
+        if axis is None or any(output.shape != base.shape for _, output in whole):
+            return _same(name, [output for _, output in whole] + [output for _, output in parts])
+        shape = [1] * base.dim()
+        shape[axis] = count
+        out = base
+        for mask, output in whole[-2::-1]:
+            assert mask is not None
+            out = torch.where(mask.view(shape), output, out)
         for index, output in parts:
-            out = out.index_copy(out.dim() + dim, index, output)
+            if output.dim() != base.dim() or output.shape[axis] != index.shape[0]:
+                raise UnsplittableCall(name, f"a group's output of shape {tuple(output.shape)}", None)
+            out = out.index_copy(axis, index, output)  # a new tensor: ``out`` may be a module's own
         return out
-    if isinstance(out, (tuple, list)):
-        return type(out)(_put(value, _field(parts, i), dim) for i, value in enumerate(out))
+    outputs: list[torch.Tensor] = [output for _, output in parts]
+    first = outputs[0]
+    fits = [
+        axis
+        for axis in range(first.dim())
+        if all(o.dim() == first.dim() for o in outputs)
+        and sum(o.shape[axis] for o in outputs) == count
+        and all(
+            o.shape[a] == first.shape[a] and o.shape[axis] == i.shape[0]
+            for i, o in parts
+            for a in range(first.dim())
+            if a != axis
+        )
+    ]
+    if len(fits) != 1:
+        if not fits:
+            return _same(name, outputs)
+        raise UnsplittableCall(name, f"{count} rows and outputs of shapes {[tuple(o.shape) for o in outputs]}", count)
+    axis = fits[0]
+    shape = list(first.shape)
+    shape[axis] = count
+    out = first.new_empty(shape)
+    for index, output in parts:
+        out.index_copy_(axis, index, output)
     return out
 
 
-def _field(parts: list[tuple[torch.Tensor, Any]], i: int) -> list[tuple[torch.Tensor, Any]]:
-    return [(index, output[i]) for index, output in parts]
+def _same(name: str, outputs: list[torch.Tensor]) -> torch.Tensor:
+    """An output without the step's rows: one value for the whole call, which every path must agree on."""
+    first = outputs[0]
+    if all(o.shape == first.shape and torch.equal(o, first) for o in outputs[1:]):
+        return first
+    raise UnsplittableCall(
+        name, f"an output of shape {tuple(first.shape)} without the step's rows differs by path", None
+    )
