@@ -7,16 +7,24 @@ its own policy, whatever the join, also for a kernel layer with another kernel l
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import kernelpolicy as kp
 from kernelpolicy._forward import _mixing
+from kernelpolicy._values._tensors import tensors_in
 from kernelpolicy.testing import kernelize_locally, write_kernel_repo
+
+transformers_outputs = pytest.importorskip("transformers.modeling_outputs")
+BaseModelOutput = transformers_outputs.BaseModelOutput
 
 HIDDEN = 8
 
@@ -211,3 +219,129 @@ def test_a_kernel_error_stays_with_the_rows_that_raise_it(
         layer(x)
     assert raised.value.policies == (plain,)
     assert "the marker row" in str(raised.value)
+
+
+SHAPED_KERNEL = """
+import torch
+from torch import nn
+
+
+class MixShaped(nn.Module):
+    can_torch_compile = True
+
+    def forward(self, x):
+        out = x.mul_(2).add_(1)  # in place, on whatever the call gives it
+        return self.wrap(out, out.sum(dim=self.rows_axis, keepdim=True) * 0)
+"""
+
+
+@dataclasses.dataclass
+class Pair:
+    value: torch.Tensor
+    other: torch.Tensor
+
+
+class Named(NamedTuple):
+    value: torch.Tensor
+    other: torch.Tensor
+
+
+WRAPS: dict[str, Callable[[torch.Tensor, torch.Tensor], Any]] = {
+    "tensor": lambda value, other: value,
+    "tuple": lambda value, other: (value, other),
+    "list": lambda value, other: [value, value + 1],
+    "named": lambda value, other: Named(value, other),
+    "dict": lambda value, other: {"value": value, "other": other},
+    "dataclass": lambda value, other: Pair(value, other),
+    "model_output": lambda value, other: BaseModelOutput(last_hidden_state=value),
+}
+
+
+@kp.use_kernel_forward_from_hub("MixShaped")
+class Shaped(nn.Module):
+    """Returns its output in one of the structures of ``WRAPS``; rows on ``rows_axis`` of its input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wrap: Callable[[torch.Tensor, torch.Tensor], Any] = WRAPS["tensor"]
+        self.rows_axis = 0
+
+    def forward(self, x: torch.Tensor) -> Any:
+        return self.wrap(x * 3, x.sum(dim=self.rows_axis, keepdim=True) * 0)
+
+
+@pytest.fixture(scope="module")
+def shaped(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    return kernelize_locally(
+        Shaped(), {"MixShaped": write_kernel_repo(tmp_path_factory.mktemp("shaped"), SHAPED_KERNEL)}
+    )
+
+
+def _flat(value: Any) -> list[torch.Tensor]:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type) and not isinstance(value, dict):
+        return [t for field in dataclasses.fields(value) for t in _flat(getattr(value, field.name))]
+    return tensors_in(dict(value) if isinstance(value, dict) else value)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    owners=st.lists(st.integers(0, 2), min_size=2, max_size=7),
+    rank=st.integers(1, 3),
+    data=st.data(),
+    wrap=st.sampled_from(sorted(WRAPS)),
+    join=st.sampled_from(["select", "split"]),
+)
+def test_the_join_gives_every_row_its_own_policys_output(
+    shaped: Any, owners: list[int], rank: int, data: st.DataObject, wrap: str, join: str
+) -> None:
+    """Random rows of three policies, the rows on any axis of tensors of 2 to 4 axes, an in-place kernel, every
+    output structure: each row of the joined output is that row computed alone under its policy, and the caller's
+    tensor is written only as each row's path writes it alone."""
+    policies = [kp.Policy.parse(text) for text in ("prefer", "disable", "MixShaped=disable,SiLU=prefer")]
+    count = len(owners)
+    axis = data.draw(st.integers(0, rank), label="axis")
+    sizes = [data.draw(st.sampled_from([s for s in (1, 3, 8, 9) if s != count]), label="size") for _ in range(rank)]
+    shape = [*sizes[:axis], count, *sizes[axis:]]
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(count))
+    shaped.wrap, shaped.rows_axis = WRAPS[wrap], axis
+    saved = _mixing.ROWS.get("MixShaped")
+    _mixing.ROWS["MixShaped"] = _mixing.Rows("token", -2, join)  # type: ignore[arg-type]
+    try:
+        alone_inputs, alone_outputs = [], []
+        for row, owner in enumerate(owners):
+            own = x.narrow(axis, row, 1).clone()
+            with kp.kernel_policy(policies[owner]):
+                alone_outputs.append(_flat(shaped(own)))
+            alone_inputs.append(own)
+        step = _mixing.Step(torch.device("cpu"))
+        for policy in policies:
+            step.slot(policy)
+        step.begin(torch.tensor(owners), owners, {})
+        given_x = x.clone()
+        with _mixing.mixed_scope(step.table(tuple(sorted(set(owners))), False), ()):
+            joined = _flat(shaped(given_x))
+    finally:
+        if saved is None:
+            del _mixing.ROWS["MixShaped"]
+        else:
+            _mixing.ROWS["MixShaped"] = saved
+    for row in range(count):
+        for got, expected in zip(joined, alone_outputs[row], strict=True):
+            if got.shape[axis] == count:
+                torch.testing.assert_close(got.narrow(axis, row, 1), expected)
+        torch.testing.assert_close(given_x.narrow(axis, row, 1), alone_inputs[row])
+
+
+def test_a_call_whose_rows_cannot_be_told_apart_is_not_joined(shaped: Any) -> None:
+    """Four rows and an axis of four: no row is joined, the caller's tensor is untouched, UnsplittableCall says so."""
+    shaped.wrap, shaped.rows_axis = WRAPS["tensor"], 0
+    step = _mixing.Step(torch.device("cpu"))
+    for policy in ("prefer", "disable"):
+        step.slot(kp.Policy.parse(policy))
+    step.begin(torch.tensor([0, 1, 0, 1]), [0, 1, 0, 1], {})
+    x = torch.randn(4, 4)
+    before = x.clone()
+    with _mixing.mixed_scope(step.table((0, 1), False), ()), pytest.raises(_mixing.UnsplittableCall) as raised:
+        shaped(x)
+    assert raised.value.size == 4 and "shape (4, 4)" in str(raised.value)
+    assert torch.equal(x, before)
