@@ -27,6 +27,7 @@ honour the caller's scope (see ``_dispatch``).
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import os
 import threading
@@ -144,12 +145,10 @@ class Active:
 
 _INTERNED: weakref.WeakValueDictionary[tuple[Policy, bool], Active] = weakref.WeakValueDictionary()
 _INTERN_LOCK = threading.Lock()
-#: Each (policy, recording) value's table name, and back: a table's name is its value's (see :class:`Active`).
-#: Held for good, one entry per value (not per table): a name must not change while programs guard on it.
-_NAMES: dict[tuple[Policy, bool], str] = {}
-_VALUES: dict[str, tuple[Policy, bool]] = {}
-#: The tables of mixed steps by name (unique per table: a mixed table is not a plain one of its first policy).
-_NAMED_MIXED: weakref.WeakValueDictionary[str, Active] = weakref.WeakValueDictionary()
+#: The tables alive by name. A plain table's name is made from its value (:func:`_value_name`), so an equal table
+#: made once the first is gone gets the same name and nothing is held per value: memory follows the tables in use,
+#: not every policy the process has seen. A mixed step's table has a name of its own.
+_NAMED: weakref.WeakValueDictionary[str, Active] = weakref.WeakValueDictionary()
 _COUNT = itertools.count()
 _KNOWN_LAYERS: set[str] = set()
 
@@ -196,21 +195,21 @@ def _new(policy: Policy, recording: bool, mix: Any = None) -> Active:
     active.recording = recording
     active.mix = mix
     active.modes, active.kernel_on, active.required, active.variants = _Entries(), _Entries(), _Entries(), _Entries()
-    if mix is None:
-        key = (policy, recording)
-        active.name = _NAMES.get(key) or _NAMES.setdefault(key, f"table{next(_COUNT)}")
-        _VALUES[active.name] = key
-    else:
-        active.name = f"mixed{next(_COUNT)}"
-        _NAMED_MIXED[active.name] = active
+    active.name = _value_name(policy, recording) if mix is None else f"mixed{next(_COUNT)}"
+    _NAMED[active.name] = active
     _fill(active, _KNOWN_LAYERS)
     return active
 
 
+def _value_name(policy: Policy, recording: bool) -> str:
+    """The name of the tables of ``(policy, recording)``: a digest of the value's content, the same in every process."""
+    content = f"{policy!r}{RECORD_SUFFIX if recording else ''}".encode()  # repr: the whole content
+    return f"table-{hashlib.blake2b(content, digest_size=12).hexdigest()}"
+
+
 def named(name: str) -> Active:
-    """A table whose ``name`` is ``name``: the interned one of its value, or the mixed table (it must be alive)."""
-    value = _VALUES.get(name)
-    return _NAMED_MIXED[name] if value is None else activate(*value)
+    """The table named ``name`` (it must be alive: the table in effect where a compiled region began, say)."""
+    return _NAMED[name]
 
 
 def activate(policy: Policy, recording: bool = False) -> Active:
