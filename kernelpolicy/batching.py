@@ -90,6 +90,8 @@ class _Requests:
         self.by_id: dict[str, tuple[Policy, tuple[Any, ...]]] = {}
         self.salts: dict[Policy, int] = {}
         self.policies = policies  # warmed up
+        #: The rows of the current processor's steps (what tests and operators read).
+        self.step: Step | None = None
         self.turn = itertools.count()
         #: The policies each step served, the last 10,000 (what an operator or a test reads).
         self.history: collections.deque[tuple[Policy, ...]] = collections.deque(maxlen=10_000)
@@ -199,7 +201,7 @@ class _Rows:
 
     def __init__(self, processor: Any, requests: _Requests) -> None:
         self.requests = requests
-        self.step = Step(processor.model_device)
+        self.step = requests.step = Step(processor.model_device)
         self.static = bool(processor.model_runner.pad_inputs)  # compiled or CUDA graphs: one program for every mix
         self.ios, self.paired = processor.inputs_and_outputs, bool(processor.use_async_batching)
         self.buffers: dict[int, torch.Tensor] = {}
@@ -213,6 +215,9 @@ class _Rows:
     def prepared(self, requests_in_batch: list[Any], rows: int) -> _Batch:
         """The batch of ``requests_in_batch`` (``rows`` rows, padding included): its slots and its table."""
         step, by_id = self.step, {}
+        with self.requests.lock:
+            alive = {policy for policy, _ in self.requests.by_id.values()}
+        step.release(alive | {self.requests.of(f.state.request_id)[0] for f in requests_in_batch})
         host_rows: list[int] = []
         slot_recorders: dict[int, tuple[Any, ...]] = {}
         everyone: dict[Any, None] = {}
@@ -239,8 +244,10 @@ class _Rows:
     def table(self, slots: tuple[int, ...], recording: bool) -> Active:
         """One policy's table, or the mixed table of the slots (of every policy served, when steps are static)."""
         step = self.step
-        if self.static and len(step.policies) > 1 and mixable(tuple(step.policies), self.layers, self.requests.grouped):
-            return step.table(tuple(range(len(step.policies))), recording)
+        served = tuple(sorted(step.slot_of.values()))  # the policies in flight: what compiled steps must serve
+        policies = tuple(step.policies[slot] for slot in served)
+        if self.static and len(served) > 1 and mixable(policies, self.layers, self.requests.grouped):
+            return step.table(served, recording)
         if len(slots) == 1:
             return activate(step.policies[slots[0]], recording)
         return step.table(slots, recording)
@@ -281,6 +288,7 @@ def _wrap_processor(processor: Any, requests: _Requests) -> None:
                 count, max_kv_read = processor.model_runner.maybe_pad_inputs(count, max_kv_read, decode)
             prepare(futures, processors, decode, count, max_kv_read, padding)
             alone = rows.prepared(futures, count)
+            alone = alone._replace(table=activate(rows.step.policies[slot], bool(alone.recorders)))  # one policy
             rows.begin(alone)
             try:
                 with mixed_scope(alone.table, alone.recorders):

@@ -487,3 +487,19 @@ def test_a_processor_without_use_async_batching_is_left_as_it_is_and_the_user_is
     with pytest.warns(UserWarning, match=r"ContinuousBatchProcessor\.use_async_batching.*leaves the manager"):
         processor = manager._create_batch_processor()
     assert not hasattr(processor, batching._MARK) and "_generation_step" not in vars(processor)
+
+
+def test_a_manager_keeps_what_the_policies_in_flight_need(model: Any, config: Any, manager: Any) -> None:
+    """Twelve waves of two requests, each wave with two policies never seen before (client-chosen policies): the
+    slots and tables of policies whose requests are done are reused or released (was: one slot per policy ever
+    served and one table per set of policies served together, for the life of the manager)."""
+    requests = getattr(manager, batching._MARK)
+    for wave in range(12):
+        pair = [kp.Policy.parse(f"prefer,Wave{wave}=disable"), kp.Policy.parse(f"RMSNorm=disable,Wave{wave}=disable")]
+        submissions = [(pair[i % 2], prompt) for i, prompt in enumerate(prompts(2, seed=wave))]
+        outputs = run(manager, submissions, new_tokens=2)
+        assert all(output.error is None for output in outputs)
+    step = requests.step
+    assert len(step.policies) <= 4, len(step.policies)  # two in flight at a time, each wave's slots reused
+    assert len(step.tables) <= 2, len(step.tables)
+    assert len(step.slot_of) <= 2

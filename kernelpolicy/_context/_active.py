@@ -28,7 +28,6 @@ honour the caller's scope (see ``_dispatch``).
 from __future__ import annotations
 
 import hashlib
-import itertools
 import os
 import threading
 import weakref
@@ -149,7 +148,6 @@ _INTERN_LOCK = threading.Lock()
 #: made once the first is gone gets the same name and nothing is held per value: memory follows the tables in use,
 #: not every policy the process has seen. A mixed step's table has a name of its own.
 _NAMED: weakref.WeakValueDictionary[str, Active] = weakref.WeakValueDictionary()
-_COUNT = itertools.count()
 _KNOWN_LAYERS: set[str] = set()
 
 
@@ -195,7 +193,7 @@ def _new(policy: Policy, recording: bool, mix: Any = None) -> Active:
     active.recording = recording
     active.mix = mix
     active.modes, active.kernel_on, active.required, active.variants = _Entries(), _Entries(), _Entries(), _Entries()
-    active.name = _value_name(policy, recording) if mix is None else f"mixed{next(_COUNT)}"
+    active.name = _value_name(policy, recording) if mix is None else _mixed_name(mix.policies, recording)
     _NAMED[active.name] = active
     _fill(active, _KNOWN_LAYERS)
     return active
@@ -205,6 +203,24 @@ def _value_name(policy: Policy, recording: bool) -> str:
     """The name of the tables of ``(policy, recording)``: a digest of the value's content, the same in every process."""
     content = f"{policy!r}{RECORD_SUFFIX if recording else ''}".encode()  # repr: the whole content
     return f"table-{hashlib.blake2b(content, digest_size=12).hexdigest()}"
+
+
+def _mixed_name(policies: tuple[Policy, ...], recording: bool) -> str:
+    """The name of a mixed step's table: a digest of what it holds for every layer, not of which policies it serves.
+
+    Per layer that is known or that a policy names: the facts the policies agree on, or :data:`MIXED` with their
+    entries and options; and the policies' defaults and options (what a layer named later will hold). So tables
+    serving other policies that spell the same facts share a name, and a compiled program guarded on it serves
+    them all, whichever rows each policy has.
+    """
+    names = sorted(_KNOWN_LAYERS.union(*(policy.layers for policy in policies)))
+    facts = []
+    for name in names:
+        agreed = {(layer_facts(policy, name), policy.options) for policy in policies}
+        facts.append((name, sorted(map(repr, agreed)) if len(agreed) > 1 else repr(agreed.pop())))
+    defaults = sorted({repr((policy.default, policy.options)) for policy in policies})
+    content = repr((facts, defaults, recording)).encode()
+    return f"mixed-{hashlib.blake2b(content, digest_size=12).hexdigest()}"
 
 
 def named(name: str) -> Active:

@@ -211,30 +211,67 @@ class _Group(NamedTuple):
 class Step:
     """The rows of one batching manager's current step (one per manager; its steps run in one thread).
 
-    ``policies`` lists every policy the manager has served, by slot (a slot is never reused). ``rows`` holds
-    each row's slot (a view of the manager's per-batch buffer: padding rows hold slot 0), ``host_rows`` the
-    same on the host, ``recorders`` each slot's requests' recorders.
+    ``policies`` holds the policy of each slot: a slot is taken by a policy while requests of it are in flight,
+    then freed (:meth:`release`) for another; its tables go with it. ``rows`` holds each row's slot (a view of
+    the manager's per-batch buffer: padding rows hold the last row's slot), ``host_rows`` the same on the host,
+    ``recorders`` each slot's requests' recorders. Per-slot tensors have ``capacity`` entries (doubled when the
+    policies in flight outgrow it), so their shapes, and compiled programs, rarely change.
     """
 
-    __slots__ = ("_plans", "device", "host_rows", "policies", "recorders", "rows", "slot_of", "tables")
+    __slots__ = (
+        "_plans",
+        "capacity",
+        "device",
+        "free",
+        "host_rows",
+        "policies",
+        "recorders",
+        "rows",
+        "slot_of",
+        "tables",
+    )
+
+    #: The most tables a step keeps (the sets of policies served together most recently).
+    MOST_TABLES: Final = 64
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.policies: list[Policy] = []
         self.slot_of: dict[Policy, int] = {}
+        self.free: list[int] = []
+        self.capacity = 8
         self.rows = torch.zeros(0, dtype=torch.long, device=device)
         self.host_rows: list[int] = []
         self.recorders: dict[int, tuple[Any, ...]] = {}
-        #: The table of each set of slots served together (their owner: this step).
+        #: The table of each set of slots served together (their owner: this step), the most recent last.
         self.tables: dict[tuple[tuple[int, ...], bool], Active] = {}
         self._plans: dict[tuple[str, bool, bool, tuple[int, ...]], list[_Group]] = {}
 
     def slot(self, policy: Policy) -> int:
+        """The slot of ``policy``: its own while it has one, else a free one, else a new one."""
         found = self.slot_of.get(policy)
         if found is None:
-            found = self.slot_of[policy] = len(self.policies)
-            self.policies.append(policy)
+            if self.free:
+                found = self.free.pop()
+                self.policies[found] = policy
+            else:
+                found = len(self.policies)
+                self.policies.append(policy)
+                if found >= self.capacity:
+                    self.capacity *= 2
+                    self.tables.clear()  # their per-slot tensors are too short now
+            self.slot_of[policy] = found
         return found
+
+    def release(self, alive: Collection[Policy]) -> None:
+        """Free the slots of the policies not in ``alive`` (no request of theirs in flight), and their tables."""
+        gone = {slot for policy, slot in self.slot_of.items() if policy not in alive}
+        if not gone:
+            return
+        for slot in gone:
+            del self.slot_of[self.policies[slot]]
+        self.free.extend(sorted(gone, reverse=True))
+        self.tables = {key: table for key, table in self.tables.items() if gone.isdisjoint(key[0])}
 
     def begin(self, rows: torch.Tensor, host_rows: list[int], recorders: dict[int, tuple[Any, ...]]) -> None:
         """A new step: its rows' slots (device and host) and the recorders of each slot's requests."""
@@ -242,11 +279,14 @@ class Step:
         self._plans.clear()
 
     def table(self, slots: tuple[int, ...], recording: bool) -> Active:
-        """The table of a step serving the policies of ``slots`` (two or more), made once per set."""
+        """The table of a step serving the policies of ``slots`` (two or more), made once per set while they last."""
         key = (slots, recording)
-        found = self.tables.get(key)
+        found = self.tables.pop(key, None)
         if found is None:
-            found = self.tables[key] = activate_mixed(Members(self, slots), recording)
+            found = activate_mixed(Members(self, slots), recording)
+            while len(self.tables) >= self.MOST_TABLES:
+                del self.tables[next(iter(self.tables))]
+        self.tables[key] = found  # the most recent last
         return found
 
     def plan(self, binding: Mixed, members: Members, rows: Rows) -> list[_Group]:
@@ -308,8 +348,9 @@ class Members:
     def kernel_on(self, name: str) -> torch.Tensor:
         found = self.kernel_slots.get(name)
         if found is None:
-            policies = self.step.policies
-            on = [slot in self.slots and policies[slot].mode_for(name) != "disable" for slot in range(len(policies))]
+            on = [False] * self.step.capacity
+            for slot, policy in zip(self.slots, self.policies, strict=True):
+                on[slot] = policy.mode_for(name) != "disable"
             found = self.kernel_slots[name] = torch.tensor(on, dtype=torch.bool, device=self.step.device)
         return found
 
@@ -383,11 +424,32 @@ def run_mixed(binding: Mixed, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     count = len(step.host_rows)
     call = _Call(name, count, args, kwargs)
     ran = [_run_group(binding, group, call) for group in groups]
-    whole = [(group.mask, output) for group, (index, output) in zip(groups, ran, strict=True) if index is None]
-    parts = [(index, output) for index, output in ran if index is not None]
-    out = _joined(name, count, [*whole[:-1], (None, whole[-1][1])], parts) if whole else _joined(name, count, [], parts)
+    try:
+        out = _joined_groups(name, count, groups, ran)
+    except UnsplittableCall:
+        if all(index is None for index, _ in ran):
+            raise
+        # Outputs of groups run on their own rows that do not show which axis those are (one row each, and an axis
+        # of one): every group on every row instead, joined by mask. Their calls were recorded the first time.
+        call.discard(0)
+        groups = [
+            group._replace(
+                rows=None, attempt=None, scope=_recording_scope(group.policies[0], recording=False, recorders=())
+            )
+            for group in groups
+        ]
+        out = _joined_groups(name, count, groups, [_run_group(binding, group, call) for group in groups])
     call.write_back()
     return out
+
+
+def _joined_groups(name: str, count: int, groups: list[_Group], ran: list[tuple[torch.Tensor | None, Any]]) -> Any:
+    """The outputs of a mixed call's groups, joined per row (see :func:`_joined`)."""
+    whole = [(group.mask, output) for group, (index, output) in zip(groups, ran, strict=True) if index is None]
+    parts = [(index, output) for index, output in ran if index is not None]
+    if not whole:
+        return _joined(name, count, [], parts)
+    return _joined(name, count, [*whole[:-1], (None, whole[-1][1])], parts)
 
 
 class _Call:
