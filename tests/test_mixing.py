@@ -345,3 +345,54 @@ def test_a_call_whose_rows_cannot_be_told_apart_is_not_joined(shaped: Any) -> No
         shaped(x)
     assert raised.value.size == 4 and "shape (4, 4)" in str(raised.value)
     assert torch.equal(x, before)
+
+
+ORIGINAL_ROWS: dict[str, int] = {}
+
+SAME_KERNEL = """
+import torch
+from torch import nn
+
+
+class MixCounted(nn.Module):
+    can_torch_compile = True
+
+    def forward(self, x):
+        return x * 3
+"""
+
+
+@kp.use_kernel_forward_from_hub("MixCounted")
+class Counted(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ORIGINAL_ROWS["MixCounted"] = ORIGINAL_ROWS.get("MixCounted", 0) + x.shape[-2]
+        return x * 3
+
+
+@kp.use_kernel_forward_from_hub("MixBare")
+class Bare(nn.Module):
+    """A kernel layer no kernel is bound to."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ORIGINAL_ROWS["MixBare"] = ORIGINAL_ROWS.get("MixBare", 0) + x.shape[-2]
+        return x + 1
+
+
+def test_a_canary_costs_its_own_rows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Six ``prefer`` rows and one ``verify`` canary: the canary's original runs on its row only, and a layer
+    without a kernel runs once for every row (was: the original on all seven rows, and the bare layer twice)."""
+    for name in ("MixCounted", "MixBare"):
+        monkeypatch.setitem(_mixing.ROWS, name, _mixing.Rows("token"))
+    repo = write_kernel_repo(tmp_path / "same", SAME_KERNEL)
+    model = kernelize_locally(nn.Sequential(Counted(), Bare()).eval(), {"MixCounted": repo})
+    step = _mixing.Step(torch.device("cpu"))
+    step.slot(kp.Policy.parse("prefer"))
+    step.slot(kp.Policy("verify", on_mismatch="warn"))  # what serve's --verify-sample makes of a prefer request
+    owners = [0, 0, 0, 1, 0, 0, 0]  # seven rows (HIDDEN is 8: eight rows would not show their axis)
+    step.begin(torch.tensor(owners), owners, {})
+    ORIGINAL_ROWS.clear()
+    x = torch.randn(1, len(owners), HIDDEN)
+    with _mixing.mixed_scope(step.table((0, 1), False), ()):
+        out = model(x)
+    torch.testing.assert_close(out, x * 3 + 1)
+    assert {"MixCounted": 1, "MixBare": len(owners)} == ORIGINAL_ROWS

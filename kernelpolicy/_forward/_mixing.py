@@ -302,10 +302,12 @@ class Step:
         for slot in members.slots:
             policy = self.policies[slot]
             entry = policy.entry_for(name)
-            if without_kernel and entry != "require":
-                entry = "original"  # prefer, disable and verify all run the original here
-            # A layer with policy-aware layers inside runs once per policy (they may differ there).
-            keyed.setdefault(policy if nested else (entry, policy.options), []).append(slot)
+            # A layer with policy-aware layers inside runs once per policy (they may differ there); without a
+            # kernel, prefer, disable and verify all run the original, whatever their options.
+            path: Any = policy if nested else (entry, policy.options)
+            if without_kernel and entry != "require" and not nested:
+                path = "original"
+            keyed.setdefault(path, []).append(slot)
         groups = []
         positions = torch.arange(len(self.host_rows))
         host = torch.tensor(self.host_rows, dtype=torch.long)
@@ -315,7 +317,12 @@ class Step:
             host_mask = chosen[host]
             recorders = tuple(dict.fromkeys(r for slot in slots for r in self.recorders.get(slot, ())))
             policy = self.policies[slots[0]]
-            own = rows.join == "split" or (rows.by == "token" and bool(policy.fallback_on))
+            # A group runs on its own rows where the join splits, and where running on others' rows would cost
+            # or count what is its own: verify runs the original too, fallback_on counts failures.
+            own = rows.join == "split" or (
+                rows.by == "token"
+                and (bool(policy.fallback_on) or (policy.mode_for(name) == "verify" and not without_kernel))
+            )
             own_rows = positions[host_mask].to(self.device)
             index = own_rows if own else None
             scope = _recording_scope(policy, recording=bool(recorders), recorders=recorders)
