@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 
 import pytest
 import torch
+from _helpers import CountingBackend
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -21,7 +22,7 @@ from torch import nn
 import kernelpolicy as kp
 from kernelpolicy._forward import _mixing
 from kernelpolicy._values._tensors import tensors_in
-from kernelpolicy.testing import kernelize_locally, write_kernel_repo
+from kernelpolicy.testing import kernelize_locally, local_mapping, write_kernel_repo
 
 transformers_outputs = pytest.importorskip("transformers.modeling_outputs")
 BaseModelOutput = transformers_outputs.BaseModelOutput
@@ -396,3 +397,65 @@ def test_a_canary_costs_its_own_rows(tmp_path: Path, monkeypatch: pytest.MonkeyP
         out = model(x)
     torch.testing.assert_close(out, x * 3 + 1)
     assert {"MixCounted": 1, "MixBare": len(owners)} == ORIGINAL_ROWS
+
+
+def _offset_kernel(class_name: str, offset: float) -> str:
+    return f"""
+import torch
+from torch import nn
+
+
+class {class_name}(nn.Module):
+    can_torch_compile = True
+
+    def forward(self, x):
+        return x * 3 + {offset}
+"""
+
+
+@kp.use_kernel_forward_from_hub("MixVariant")
+class Varied(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 3
+
+
+@kp.use_kernel_forward_from_hub("MixUnbound")
+class Unbound(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x - 1
+
+
+def test_compiled_mixed_calls_take_each_rows_variant_and_fail_require_rows_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under torch.compile a mixed call chooses per row as eager code does: the default kernel (+100), the variant
+    ``fast`` (+200) or the original; a policy that requires a kernel the layer has not (MixUnbound) leaves the
+    traced program to the eager frame, where only its rows fail (was: the default kernel on every kernel row, and
+    the require rows served). A new mix of the same policies compiles nothing more."""
+    for name in ("MixVariant", "MixUnbound"):
+        monkeypatch.setitem(_mixing.ROWS, name, _mixing.Rows("token"))
+    model = nn.Sequential(Varied(), Unbound()).eval()
+    kernelize_locally(model, {"MixVariant": write_kernel_repo(tmp_path / "default", _offset_kernel("MixVariant", 100))})
+    with local_mapping({"MixVariant": write_kernel_repo(tmp_path / "fast", _offset_kernel("MixVariant", 200))}):
+        kp.kernelize(model, mode="inference", device="cpu", variant="fast")
+    policies = [kp.Policy.parse(text) for text in ("prefer", "MixVariant=kernel:fast", "disable")]
+    backend = CountingBackend()
+    compiled = torch.compile(model, backend=backend)
+    step = _mixing.Step(torch.device("cpu"))
+    for policy in policies:
+        step.slot(policy)
+    x = torch.zeros(1, 5, HIDDEN)
+    for owners in ([0, 1, 2, 1, 0], [2, 2, 0, 1, 1]):
+        step.begin(torch.tensor(owners), owners, {})
+        with _mixing.mixed_scope(step.table((0, 1, 2), False), ()):
+            out = compiled(x)
+        assert [float(out[0, i, 0]) for i in range(5)] == [(99.0, 199.0, -1.0)[o] for o in owners]
+    assert backend.compiles == 1
+    required = kp.Policy.parse("MixUnbound=require")
+    step.slot(required)
+    owners = [0, 3, 0, 3, 1]
+    step.begin(torch.tensor(owners), owners, {})
+    with _mixing.mixed_scope(step.table((0, 1, 3), False), ()), pytest.raises(_mixing.MixedCallError) as raised:
+        compiled(x)
+    assert raised.value.policies == (required,)
+    assert isinstance(raised.value.error, kp.KernelUnavailableError)

@@ -161,12 +161,16 @@ def layer_facts(policy: Policy, name: str) -> tuple[str, bool, bool, str]:
     return entry, mode != "disable", mode == "require", entry if entry != mode else ""
 
 
-def _mixed_facts(policies: tuple[Policy, ...], name: str) -> tuple[str, bool | str, bool, str]:
-    """The facts of layer ``name`` in a table for rows of ``policies``: theirs where they agree, else mixed."""
+def _mixed_facts(policies: tuple[Policy, ...], name: str) -> tuple[str, bool | str, bool | str, str]:
+    """The facts of layer ``name`` in a table for rows of ``policies``: theirs where they agree, else mixed.
+
+    ``required`` is mixed too where a policy requires the layer: traced code that reads it (a layer without a
+    kernel that compiles) then raises while tracing, and the eager frame fails those rows only.
+    """
     facts = {(layer_facts(policy, name), policy.options) for policy in policies}
     if len(facts) == 1:
         return layer_facts(policies[0], name)
-    return MIXED, MIXED, False, ""
+    return MIXED, MIXED, MIXED if any(policy.mode_for(name) == "require" for policy in policies) else False, ""
 
 
 def _fill(active: Active, names: Iterable[str]) -> None:
@@ -224,8 +228,19 @@ def _mixed_name(policies: tuple[Policy, ...], recording: bool) -> str:
 
 
 def named(name: str) -> Active:
-    """The table named ``name`` (it must be alive: the table in effect where a compiled region began, say)."""
-    return _NAMED[name]
+    """The table named ``name`` (it must be alive: the table in effect where a compiled region began, say).
+
+    Equal tables share a name and :data:`_NAMED` keeps the one made last; once that one is gone, another alive
+    (the process default's own, an interned one) is found by looking.
+    """
+    found = _NAMED.get(name)
+    if found is not None:
+        return found
+    for active in (DEFAULTS.active, *_INTERNED.values(), *_MIXED_TABLES):
+        if active.name == name:
+            _NAMED[name] = active
+            return active
+    raise KeyError(f"no table named {name!r} is alive")
 
 
 def activate(policy: Policy, recording: bool = False) -> Active:

@@ -251,6 +251,8 @@ _BODIES: dict[str, str] = {
         active = DEFAULTS.active._current
         if _is_dynamo():
             active = in_effect()
+            if {required} == "mixed":  # rows of a policy that requires a kernel: theirs fail, eagerly
+                return mixed({pack})
             out = slow("require", {pack}) if {required} else (original(self, {call}) if persisting() or type(self).forward is own else type(self).forward(self, {call}))
             return checked(out, active, {name}, "r") if persisting() else out
         mode = {lookup}
@@ -287,6 +289,8 @@ _BODIES: dict[str, str] = {
         if _is_dynamo():
             active = in_effect()
             if traceable and {kernel_on} == "mixed":  # untraceable: never read, one program (the original)
+                return mixed({pack})
+            if not traceable and {required} == "mixed":  # rows of a policy that requires it: theirs fail, eagerly
                 return mixed({pack})
             if traceable and {kernel_on}:
                 out = slow("require" if {required} else "prefer", {pack})

@@ -38,7 +38,8 @@ from torch.compiler import is_dynamo_compiling as _is_dynamo
 from .._context._active import _SCOPED, RECORDERS, Active, activate_mixed, in_effect, known_layers
 from .._context._scope import _recording_scope
 from .._values._errors import PolicyError
-from .._values._tensors import map_tensors
+from .._values._policy import VARIANTS
+from .._values._tensors import map_tensors, tensors_in
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Collection, Iterator, Mapping
@@ -87,6 +88,12 @@ class Mixed(Protocol):
     @property
     def dispatcher(self) -> Any: ...
     def has_aware_children(self) -> bool: ...
+    def decide(
+        self, mode: str, state: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> tuple[str, str]: ...
+    def choose(
+        self, entry: str, state: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> tuple[str, str, Callable[..., Any] | None, str | None]: ...
 
 
 KINDS: Final = ("token", "request")
@@ -235,6 +242,9 @@ class Step:
     MOST_TABLES: Final = 64
 
     def __init__(self, device: torch.device) -> None:
+        if not _UNTRACED:
+            compiler: Any = torch.compiler  # disable: untyped in some torch releases (mypy strict on each)
+            _UNTRACED.append(compiler.disable(_run_eager, recursive=True))
         self.device = device
         self.policies: list[Policy] = []
         self.slot_of: dict[Policy, int] = {}
@@ -340,7 +350,7 @@ class Step:
 class Members:
     """What a mixed step's table carries (``Active.mix``): the policies served together and where their rows are."""
 
-    __slots__ = ("kernel_slots", "policies", "slots", "step")
+    __slots__ = ("_entries", "entry_slots", "kernel_slots", "policies", "slots", "step")
 
     def __init__(self, step: Step, slots: tuple[int, ...]) -> None:
         self.step = step
@@ -349,8 +359,30 @@ class Members:
         #: Per layer name, whether each slot's policy has the kernel on (what a compiled program selects by): made
         #: for every known layer at once, since a program is guarded on which names the dict holds.
         self.kernel_slots: dict[str, torch.Tensor] = {}
+        #: Per layer name, each slot's entry index (what a compiled program selects by), made likewise.
+        self.entry_slots: dict[str, torch.Tensor] = {}
+        self._entries: dict[str, tuple[str, ...]] = {}
         for name in known_layers():
             self.kernel_on(name)
+            self.entry_index(name)
+
+    def entries(self, name: str) -> tuple[str, ...]:
+        """The distinct entries the policies give layer ``name``, sorted (what a compiled mixed call computes)."""
+        found = self._entries.get(name)
+        if found is None:
+            found = self._entries[name] = tuple(sorted({policy.entry_for(name) for policy in self.policies}))
+        return found
+
+    def entry_index(self, name: str) -> torch.Tensor:
+        """Per slot, the index of its policy's entry for layer ``name`` in :meth:`entries` (0 for other slots)."""
+        found = self.entry_slots.get(name)
+        if found is None:
+            entries = self.entries(name)
+            index = [0] * self.step.capacity
+            for slot, policy in zip(self.slots, self.policies, strict=True):
+                index[slot] = entries.index(policy.entry_for(name))
+            found = self.entry_slots[name] = torch.tensor(index, dtype=torch.long, device=self.step.device)
+        return found
 
     def kernel_on(self, name: str) -> torch.Tensor:
         found = self.kernel_slots.get(name)
@@ -410,17 +442,15 @@ def run_mixed(binding: Mixed, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     that path's rows only.
     """
     members: Members = in_effect().mix
-    rows = ROWS.get(binding.layer_name, Rows("request"))  # an undeclared layer is grouped by the scheduler
-    step = members.step
-    name = binding.layer_name
     if _is_dynamo():
-        count = step.rows.shape[0]
-        original = binding.original(binding.module, *args, **kwargs)
-        if binding.kernel is None or not binding.can_torch_compile:
-            return original
-        on = members.kernel_on(name)[step.rows]
-        kernel = binding.kernel(binding.module, *args, **kwargs)
-        return _joined(name, count, [(on, kernel), (None, original)], [])
+        return _run_compiled(binding, members, args, kwargs)
+    return _run_eager(binding, members, args, kwargs)
+
+
+def _run_eager(binding: Mixed, members: Members, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """A mixed call in eager code: each group of rows through the layer's own dispatch under its policy."""
+    rows = ROWS.get(binding.layer_name, Rows("request"))  # an undeclared layer is grouped by the scheduler
+    step, name = members.step, binding.layer_name
     groups = step.plan(binding, members, rows)
     if len(groups) == 1:  # the policies differ on the layer, not on its path here (no kernel bound, say)
         try:
@@ -448,6 +478,54 @@ def run_mixed(binding: Mixed, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
         out = _joined_groups(name, count, groups, [_run_group(binding, group, call) for group in groups])
     call.write_back()
     return out
+
+
+def _run_compiled(binding: Mixed, members: Members, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """A mixed call where TorchDynamo traces: each entry's path chosen while tracing, as a call of one policy
+    chooses it (variants, ``kernel_accepts`` rules, traceability; ``verify`` is ``prefer`` under a tracer), every
+    path computed on every row, each row's selected by its slot (an input: the mix changes, the program stays).
+
+    An entry that cannot run here (``require`` without a kernel that compiles) raises while tracing: TorchDynamo
+    then runs the frame eagerly, where the call fails those rows' requests only (a ``fullgraph=True`` step fails).
+    """
+    name, step = binding.layer_name, members.step
+    functions: list[Callable[..., Any] | None] = []  # per entry of ``members.entries(name)``; None: the original
+    for entry in members.entries(name):
+        if entry == "disable":
+            functions.append(None)
+            continue
+        if entry.startswith(VARIANTS):
+            path, _, function, _ = binding.choose(entry, "compile", args, kwargs)
+        else:
+            path = binding.decide(entry, "compile", args, kwargs)[0]
+            function = binding.kernel if path == "kernel" else None
+        if path == "error":  # a graph break: this call runs eagerly, where these rows' requests fail
+            return _UNTRACED[0](binding, members, args, kwargs)
+        functions.append(function)
+    distinct = list(dict.fromkeys(functions))
+    if len(distinct) == 1:
+        function = distinct[0]
+        return (binding.original if function is None else function)(binding.module, *args, **kwargs)
+    lookup = torch.tensor([distinct.index(f) for f in functions], dtype=torch.long, device=step.device)
+    choice = lookup[members.entry_index(name)[step.rows]]
+    outputs = [
+        (binding.original if function is None else function)(binding.module, *args, **kwargs) for function in distinct
+    ]
+    count = step.rows.shape[0]
+    if not all(_shows_rows(value, count) for value in (args, kwargs, *outputs)):
+        return _UNTRACED[0](binding, members, args, kwargs)  # it says why, or finds the rows by running
+    whole = [(choice == k, output) for k, output in enumerate(outputs[:-1])]
+    return _joined(name, count, [*whole, (None, outputs[-1])], [])
+
+
+def _shows_rows(value: Any, count: int) -> bool:
+    """Whether no tensor in ``value`` has several axes of the step's ``count`` rows (checked while tracing)."""
+    return all(sum(size == count for size in tensor.shape) <= 1 for tensor in tensors_in(value))
+
+
+#: :func:`_run_eager` under ``torch.compiler.disable``, called where TorchDynamo traces (a graph break, then the
+#: call runs eagerly): made with the first :class:`Step` (it imports TorchDynamo, over a second).
+_UNTRACED: list[Callable[[Mixed, Members, tuple[Any, ...], dict[str, Any]], Any]] = []
 
 
 def _joined_groups(name: str, count: int, groups: list[_Group], ran: list[tuple[torch.Tensor | None, Any]]) -> Any:
