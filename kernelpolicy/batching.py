@@ -7,7 +7,8 @@ once kernelpolicy has attached a transformers model (``attach``, ``kernelize``, 
 
 - **each request carries the policy in effect where it was submitted** (``add_request``, ``add_requests``,
   ``generate_batch`` inside a scope), and the ``record_calls`` recorders active there; a request that
-  transformers offloads under cache pressure keeps both when it is scheduled again;
+  transformers offloads under cache pressure keeps both when it is scheduled again, and a request's forked
+  children (``num_return_sequences``) get both when forked and keep them until each finishes itself;
 - **one forward step serves every policy**: the manager's scheduler (any of ``SCHEDULER_MAPPING``) sees every
   request; in each policy-aware layer whose paths differ between the step's policies, each request's rows take
   its policy's path (``_mixing``: the rows' policies come with each batch; compiled, they are an input). A
@@ -60,7 +61,6 @@ POLICY_ERRORS: tuple[type[Exception], ...] = (KernelUnavailableError, KernelMism
 _MARK = "_kernelpolicy_requests"
 #: Whether the KV block hashes of a manager's second and later policies are salted (tests switch it off).
 _SALT = True
-_CHILD = "__child#"  # transformers' ids of a request's forked children: "<parent>__child#<i>"
 
 
 class _Batch(NamedTuple):
@@ -107,8 +107,17 @@ class _Requests:
             self.salts.setdefault(policy, len(self.salts))
 
     def of(self, request_id: str) -> tuple[Policy, tuple[Any, ...]]:
-        found = self.by_id.get(request_id.partition(_CHILD)[0])
+        found = self.by_id.get(request_id)
         return found if found is not None else (current_policy(), ())
+
+    def forked(self, parent: str, children: list[str]) -> None:
+        """transformers forks ``parent`` into ``children`` (``num_return_sequences``): each child keeps the parent's
+        policy and recorders until it finishes itself (the parent may finish first, even in this turn)."""
+        with self.lock:
+            found = self.by_id.get(parent) or self.finished.get(parent)
+            if found is not None:
+                for child in children:
+                    self.by_id[child] = found
 
     def salted(self, request_id: str, token_ids: list[int]) -> list[int]:
         """The ids the blocks of ``request_id`` are hashed by: its own for the first policy, else mapped one to one
@@ -120,11 +129,10 @@ class _Requests:
         return [-(offset + token) for token in token_ids]
 
     def forget(self, request_id: str) -> None:
-        if _CHILD not in request_id:
-            with self.lock:
-                found = self.by_id.pop(request_id, None)
-            if found is not None:
-                self.finished[request_id] = found
+        with self.lock:
+            found = self.by_id.pop(request_id, None)
+        if found is not None:
+            self.finished[request_id] = found
 
     def queued_again(self, request_id: str) -> None:
         """transformers queued a request it had just finished (an offload): it keeps its policy and recorders."""
@@ -139,7 +147,7 @@ def request_policy(manager: Any, request_id: str) -> Policy | None:
     requests: _Requests | None = getattr(manager, _MARK, None)
     if requests is None:
         return None
-    found = requests.by_id.get(request_id.partition(_CHILD)[0])
+    found = requests.by_id.get(request_id)
     return found[0] if found is not None else None
 
 
@@ -249,6 +257,7 @@ def _wrap_processor(processor: Any, requests: _Requests) -> None:
     setattr(processor, _MARK, requests)
     _schedule_every_policy(processor.scheduler, requests)
     _salt_prefix_hashes(processor.cache, requests)
+    _register_forks(processor.cache, requests)
     rows = _Rows(processor, requests)
     ios = processor.inputs_and_outputs
     prepare, batch_update = ios.prepare_batch_tensors, ios.prepare_batch_update
@@ -463,6 +472,17 @@ def _salt_prefix_hashes(cache: Any, requests: _Requests) -> None:
             mark(request_id, requests.salted(request_id, token_ids), new_new_blocks)
 
         allocator.mark_complete_blocks = mark_complete_blocks
+
+
+def _register_forks(cache: Any, requests: _Requests) -> None:
+    """A request's forked children (``num_return_sequences``) get its policy and recorders as they are forked."""
+    fork = cache.prepare_fork_request
+
+    def prepare_fork_request(src_state: Any, dst_req_ids: list[str], copy_src_and_dst: Any) -> list[str]:
+        requests.forked(src_state.request_id, dst_req_ids)  # forked here or queued anew: each child is one of these
+        return list(fork(src_state, dst_req_ids, copy_src_and_dst))
+
+    cache.prepare_fork_request = prepare_fork_request
 
 
 def _install_on_attach(model: Any, options: Any) -> None:

@@ -487,3 +487,26 @@ def test_a_processor_without_use_async_batching_is_left_as_it_is_and_the_user_is
     with pytest.warns(UserWarning, match=r"ContinuousBatchProcessor\.use_async_batching.*leaves the manager"):
         processor = manager._create_batch_processor()
     assert not hasattr(processor, batching._MARK) and "_generation_step" not in vars(processor)
+
+
+def test_forked_children_keep_their_parents_policy_for_their_whole_life(model: Any, config: Any) -> None:
+    """``num_return_sequences=3`` under ``disable`` in 6 blocks of 4: the children that do not fit when their parent
+    forks are queued anew and decode after it finished; each keeps ``disable`` and its recorders (was: looked up
+    through the parent's entry, gone once the parent finished, so they ran the manager thread's ``prefer``)."""
+    forking = transformers.GenerationConfig(
+        max_new_tokens=NEW, do_sample=True, top_k=1, eos_token_id=-1, pad_token_id=0, num_return_sequences=3
+    )  # top_k=1: greedy tokens (transformers refuses num_return_sequences without sampling)
+    chosen = prompts(2)
+    with kp.kernels_disabled(), kp.record_calls() as recorded:
+        outputs = model.generate_batch(
+            chosen,
+            generation_config=forking,
+            continuous_batching_config=batching_config(num_blocks=6, max_batch_tokens=64),
+        )
+    expected = {
+        f"req_{i}{child}": solo(model, config, OFF, prompt)
+        for i, prompt in enumerate(chosen)
+        for child in ("", "__child#0", "__child#1")
+    }
+    assert {i: o.generated_tokens for i, o in outputs.items()} == expected
+    assert set(recorded.by_layer()["RMSNorm"]) == {"original"}
