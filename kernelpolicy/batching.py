@@ -16,8 +16,10 @@ once kernelpolicy has attached a transformers model (``attach``, ``kernelize``, 
   taking turns, and transformers' offloading still sees every request;
 - **recorders count per request**: a call counts for each request's recorders on that request's path;
 - **a policy's error fails only its requests**: an error raised by some policies' rows in a mixed step (a
-  kernel's exception, ``require``, ``verify``) fails their requests and the step runs again without them; in a
-  step of one policy, ``require`` or ``verify`` failing fails that step's requests;
+  kernel's exception, ``require``, ``verify``) fails their requests and the step runs again without them; a
+  kernel's exception, ``require`` or ``verify`` failing where every row ran the path (a step of one policy, a
+  layer the step's policies agree on) fails that step's requests; the manager goes on serving. An error of
+  transformers' own (raised outside any kernel) stops the manager, as without kernelpolicy;
 - **prefix sharing keeps policies apart**: a KV block computed under one policy is never reused by a
   request of another (the block hashes of all but the first policy a manager sees are salted);
 - **warm-up covers each policy served**: ``policy_aware(manager, policies=[...])`` runs the manager's warm-up
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import inspect
 import itertools
 import threading
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -40,6 +43,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from ._attach._attach import ATTACH_HOOKS
+from ._attach._aware import aware_modules
 from ._compat import _compat
 from ._context._active import RECORDERS, activate, current_policy
 from ._context._scope import kernel_policy
@@ -55,7 +59,8 @@ if TYPE_CHECKING:
 
 __all__ = ["declare_rows", "policy_aware", "request_policy"]
 
-#: Errors a policy raises in a forward: in a step of one policy they fail that step's requests, not the manager.
+#: Errors a policy raises in a forward: like a kernel's own error (:func:`_raised_in_a_kernel`), raised in a step
+#: outside a mixed call they fail that step's requests (every row ran the path that raised), not the manager.
 POLICY_ERRORS: tuple[type[Exception], ...] = (KernelUnavailableError, KernelMismatchError)
 
 _MARK = "_kernelpolicy_requests"
@@ -298,9 +303,9 @@ def _wrap_processor(processor: Any, requests: _Requests) -> None:
                 if batch is None:
                     return
                 rows.begin(batch)
-            except POLICY_ERRORS as error:
-                if use_async:
-                    raise
+            except Exception as error:
+                if use_async or not (isinstance(error, POLICY_ERRORS) or _raised_in_a_kernel(error)):
+                    raise  # transformers' own: it stops the manager, as without kernelpolicy
                 for request_id in batch.requests:
                     failed[request_id] = error
                 return
@@ -345,6 +350,32 @@ def _wrap_processor(processor: Any, requests: _Requests) -> None:
     ios.prepare_batch_update = prepare_batch_update
     processor._generation_step = generation_step
     processor.warmup = warm_up
+
+
+def _raised_in_a_kernel(error: BaseException) -> bool:
+    """Whether ``error`` was raised inside a bound kernel or variant (its frame is on the error's traceback, or on
+    that of the error it was raised from). A kernel traced into a compiled program shows no frame of its own:
+    its errors there are transformers' (the manager stops)."""
+    kernels = set()
+    for module in aware_modules():
+        binding = module.__dict__.get(BINDING)
+        if binding is None:
+            continue
+        for function in (binding.kernel, *(variant.function for variant in binding.variants.values())):
+            code = getattr(inspect.unwrap(getattr(function, "__func__", function)), "__code__", None)
+            if code is not None:
+                kernels.add(code)
+    seen: BaseException | None = error
+    for _ in range(8):  # the chain of causes, bounded
+        if seen is None:
+            return False
+        trace = seen.__traceback__
+        while trace is not None:
+            if trace.tb_frame.f_code in kernels:
+                return True
+            trace = trace.tb_next
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def _layer_names(model: Any) -> frozenset[str]:

@@ -510,3 +510,30 @@ def test_forked_children_keep_their_parents_policy_for_their_whole_life(model: A
     }
     assert {i: o.generated_tokens for i, o in outputs.items()} == expected
     assert set(recorded.by_layer()["RMSNorm"]) == {"original"}
+
+
+def test_a_kernel_that_raises_in_a_step_of_one_policy_fails_that_steps_requests_only(
+    config: Any, tmp_path: Any
+) -> None:
+    """Only ``prefer`` requests (no mixed call): the kernel raises from its 10th call on; those requests fail with
+    its error, the manager goes on serving (was: a plain RuntimeError stopped the manager, every later request
+    dropped)."""
+    import sys
+
+    failing = kernelize_locally(tiny_llama(), {"RMSNorm": write_kernel_repo(tmp_path, FAILING_KERNEL)})
+    layers = sys.modules[failing.model.norm.__dict__["_kernelpolicy"].kernel.__module__]
+    chosen = prompts(3, seed=12)
+    expected = solo(failing, config, PREFER, chosen[0])
+    manager = failing.init_continuous_batching(generation_config=config, continuous_batching_config=batching_config())
+    manager.start()
+    try:
+        layers.FAIL_AFTER[0] = layers.CALLS[0] + 10
+        outputs = run(manager, [(PREFER, prompt) for prompt in chosen])
+        layers.FAIL_AFTER[0] = None
+        assert manager.is_running()
+        [after] = run(manager, [(PREFER, chosen[0])])
+    finally:
+        layers.FAIL_AFTER[0] = None
+        manager.stop(block=True, timeout=30)
+    assert all(o.error is not None and "the kernel failed on this step" in o.error for o in outputs)
+    assert after.error is None and after.generated_tokens == expected
