@@ -290,25 +290,32 @@ def _wrap_processor(processor: Any, requests: _Requests) -> None:
         if batch is None:  # nothing prepared by kernelpolicy's seam: the policy in effect
             step(model)
             return
+        batch = _holding(batch)  # each call recorded once: held until the step stands
         rows.begin(batch)
-        while True:
-            try:
-                with mixed_scope(batch.table, batch.recorders):
-                    step(model)
-                return
-            except MixedCallError as error:
-                if use_async:
-                    raise error.error from error  # async batching updates a step late: transformers fails every request
-                batch = _without(rows, batch, error, failed)
-                if batch is None:
+        try:
+            while True:
+                try:
+                    with mixed_scope(batch.table, batch.recorders):
+                        step(model)
                     return
-                rows.begin(batch)
-            except Exception as error:
-                if use_async or not (isinstance(error, POLICY_ERRORS) or _raised_in_a_kernel(error)):
-                    raise  # transformers' own: it stops the manager, as without kernelpolicy
-                for request_id in batch.requests:
-                    failed[request_id] = error
-                return
+                except MixedCallError as error:
+                    if use_async:
+                        raise error.error from error  # async batching updates a step late: transformers fails all
+                    kept = _without(rows, batch, error, failed)
+                    _settle(batch, kept)
+                    if kept is None:
+                        return
+                    batch = kept
+                    rows.begin(batch)
+                except Exception as error:
+                    if use_async or not (isinstance(error, POLICY_ERRORS) or _raised_in_a_kernel(error)):
+                        raise  # transformers' own: it stops the manager, as without kernelpolicy
+                    for request_id in batch.requests:
+                        failed[request_id] = error
+                    return
+        finally:
+            for holder in batch.recorders:
+                holder.pass_on()
 
     def prepare_batch_update() -> Any:
         in_batch, tokens, logprobs = batch_update()
@@ -381,6 +388,43 @@ def _raised_in_a_kernel(error: BaseException) -> bool:
 def _layer_names(model: Any) -> frozenset[str]:
     """The kernel layer names of the policy-aware modules of ``model`` (what a manager's steps can differ on)."""
     return frozenset(m.__dict__[BINDING].layer_name for m in model.modules() if BINDING in m.__dict__)
+
+
+class _Holder:
+    """One recorder's calls in an attempt of a step, passed on once the attempt stands (or is its requests' last)."""
+
+    __slots__ = ("calls", "recorder")
+
+    def __init__(self, recorder: Any) -> None:
+        self.recorder = recorder
+        self.calls: list[tuple[Any, ...]] = []
+
+    def add(self, *call: Any) -> None:
+        self.calls.append(call)
+
+    def pass_on(self) -> None:
+        calls, self.calls = self.calls, []
+        for call in calls:
+            self.recorder.add(*call)
+
+
+def _holding(batch: _Batch) -> _Batch:
+    """``batch`` with a :class:`_Holder` in place of each of its recorders."""
+    holders = {id(recorder): _Holder(recorder) for recorder in batch.recorders}
+    by_slot = {slot: tuple(holders[id(r)] for r in group) for slot, group in batch.slot_recorders.items()}
+    return batch._replace(recorders=tuple(holders.values()), slot_recorders=by_slot)
+
+
+def _settle(attempt: _Batch, again: _Batch | None) -> None:
+    """An attempt of a step ran until some policies' rows raised; ``again`` runs without their requests. A recorder
+    that a kept request carries forgets the attempt (the step run again records those calls); one that only failed
+    requests carry counts it (their calls, up to the error, ran once)."""
+    kept = set() if again is None else {id(holder) for holder in again.recorders}
+    for holder in attempt.recorders:
+        if id(holder) in kept:
+            holder.calls.clear()
+        else:
+            holder.pass_on()
 
 
 def _without(rows: _Rows, batch: _Batch, error: MixedCallError, failed: dict[str, Exception]) -> _Batch | None:

@@ -537,3 +537,38 @@ def test_a_kernel_that_raises_in_a_step_of_one_policy_fails_that_steps_requests_
         manager.stop(block=True, timeout=30)
     assert all(o.error is not None and "the kernel failed on this step" in o.error for o in outputs)
     assert after.error is None and after.generated_tokens == expected
+
+
+def test_a_step_run_again_without_a_failed_policy_records_each_call_once(config: Any, tmp_path: Any) -> None:
+    """The ``disable`` requests' recorder counts the same calls whether or not the ``prefer`` rows' kernel raised
+    mid-step (was: the step ran again without them and the layers before the error were recorded twice)."""
+    import sys
+
+    failing = kernelize_locally(tiny_llama(), {"RMSNorm": write_kernel_repo(tmp_path, FAILING_KERNEL)})
+    layers = sys.modules[failing.model.norm.__dict__["_kernelpolicy"].kernel.__module__]
+    chosen = prompts(4, seed=13)
+    counts = []
+    for fail in (False, True):
+        manager = failing.init_continuous_batching(
+            generation_config=config, continuous_batching_config=batching_config()
+        )
+        layers.FAIL_AFTER[0] = layers.CALLS[0] + 3 if fail else None  # in the first step, after 3 RMSNorm calls
+        try:
+            with kp.record_calls() as recorded, kp.kernel_policy(OFF):
+                kept = [manager.add_request(prompt, max_new_tokens=NEW) for prompt in chosen[:2]]
+            with kp.kernel_policy(PREFER):
+                failed = [manager.add_request(prompt, max_new_tokens=NEW) for prompt in chosen[2:]]
+            manager.start()
+            errors: dict[str, Any] = {}
+            while len(errors) < 4:
+                result = manager.get_result(timeout=30)
+                assert result is not None
+                if result.is_finished():
+                    errors[result.request_id] = result.error
+        finally:
+            layers.FAIL_AFTER[0] = None
+            manager.stop(block=True, timeout=30)
+        assert [errors[i] for i in kept] == [None, None]
+        assert all((errors[i] is not None) == fail for i in failed)
+        counts.append(recorded.by_layer())
+    assert counts[1] == counts[0]
