@@ -171,7 +171,7 @@ def test_prefix_sharing_control_unsalted_blocks_leak_across_policies(
     model: Any, config: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The control: without the salt, the second policy's request reuses the first's KV blocks."""
-    monkeypatch.setattr(batching, "_SALT", False)
+    monkeypatch.setattr(batching._requests, "_SALT", False)
     manager = model.init_continuous_batching(generation_config=config, continuous_batching_config=batching_config())
     manager.start()
     try:

@@ -6,9 +6,9 @@ manager's thread defaults to. This module owns the seam (:func:`policy_aware`), 
 once kernelpolicy has attached a transformers model (``attach``, ``kernelize``, ``auto_attach``), or by hand:
 
 - **each request carries the policy in effect where it was submitted** (``add_request``, ``add_requests``,
-  ``generate_batch`` inside a scope), and the ``record_calls`` recorders active there; a request that
-  transformers offloads under cache pressure keeps both when it is scheduled again, and a request's forked
-  children (``num_return_sequences``) get both when forked and keep them until each finishes itself;
+  ``generate_batch`` inside a scope), and the ``record_calls`` recorders active there, for its whole life:
+  offloaded and queued again, forked (``num_return_sequences``: each child), its KV blocks salted by its policy
+  (:mod:`kernelpolicy.batching._requests`);
 - **one forward step serves every policy**: the manager's scheduler (any of ``SCHEDULER_MAPPING``) sees every
   request; in each policy-aware layer whose paths differ between the step's policies, each request's rows take
   its policy's path (``_mixing``: the rows' policies come with each batch; compiled, they are an input). A
@@ -33,29 +33,28 @@ transformers, which fails every request (a GPU-only path, untested here).
 
 from __future__ import annotations
 
-import collections
 import functools
 import inspect
 import itertools
-import threading
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from ._attach._attach import ATTACH_HOOKS
-from ._attach._aware import aware_modules
-from ._compat import _compat
-from ._context._active import RECORDERS, activate, current_policy
-from ._context._scope import kernel_policy
-from ._forward._binding import BINDING
-from ._forward._mixing import ROWS, MixedCallError, Step, declare_rows, mixable, mixed_scope
-from ._values._errors import KernelMismatchError, KernelUnavailableError, PolicyError
+from .._attach._attach import ATTACH_HOOKS
+from .._attach._aware import aware_modules
+from .._compat import _compat
+from .._context._active import activate, current_policy
+from .._context._scope import kernel_policy
+from .._forward._binding import BINDING
+from .._forward._mixing import ROWS, MixedCallError, Step, declare_rows, mixable, mixed_scope
+from .._values._errors import KernelMismatchError, KernelUnavailableError
+from ._requests import Requests, register_forks, salt_prefix_hashes
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
 
-    from ._context._active import Active
-    from ._values._policy import Policy
+    from .._context._active import Active
+    from .._values._policy import Policy
 
 __all__ = ["declare_rows", "policy_aware", "request_policy"]
 
@@ -64,8 +63,6 @@ __all__ = ["declare_rows", "policy_aware", "request_policy"]
 POLICY_ERRORS: tuple[type[Exception], ...] = (KernelUnavailableError, KernelMismatchError)
 
 _MARK = "_kernelpolicy_requests"
-#: Whether the KV block hashes of a manager's second and later policies are salted (tests switch it off).
-_SALT = True
 
 
 class _Batch(NamedTuple):
@@ -79,77 +76,9 @@ class _Batch(NamedTuple):
     requests: dict[str, int]  # request id -> slot
 
 
-class _Requests:
-    """The policy and recorders each request of one manager was submitted with, by request id."""
-
-    def __init__(self, policies: tuple[Policy, ...], vocabulary: int) -> None:
-        self.lock = threading.Lock()
-        #: The kernel layer names of the manager's model (what decides whether policies can share a step).
-        self.layers: frozenset[str] = frozenset()
-        self.vocabulary = vocabulary
-        #: transformers hashes a block's token ids as 32-bit integers: n policies need n * vocabulary ids.
-        self.most_policies = (2**31 - 1) // vocabulary
-        self.by_id: dict[str, tuple[Policy, tuple[Any, ...]]] = {}
-        self.salts: dict[Policy, int] = {}
-        self.policies = policies  # warmed up
-        self.turn = itertools.count()
-        #: The policies each step served, the last 10,000 (what an operator or a test reads).
-        self.history: collections.deque[tuple[Policy, ...]] = collections.deque(maxlen=10_000)
-        #: What requests transformers finished in this turn of its loop had: an offloaded request is finished, then
-        #: queued again at once, and gets it back (cleared at the next turn).
-        self.finished: dict[str, tuple[Policy, tuple[Any, ...]]] = {}
-
-    def submitted(self, request_id: str) -> None:
-        policy, recorders = current_policy(), RECORDERS.get()
-        with self.lock:
-            if policy not in self.salts and len(self.salts) >= self.most_policies:
-                raise PolicyError(
-                    f"a continuous batching manager keeps at most {self.most_policies} policies apart (a vocabulary "
-                    f"of {self.vocabulary}); request {request_id!r} brings one more, {str(policy)!r}: serve fewer "
-                    "distinct policies (an allowlist), or another manager"
-                )
-            self.by_id[request_id] = (policy, recorders)
-            self.salts.setdefault(policy, len(self.salts))
-
-    def of(self, request_id: str) -> tuple[Policy, tuple[Any, ...]]:
-        found = self.by_id.get(request_id)
-        return found if found is not None else (current_policy(), ())
-
-    def forked(self, parent: str, children: list[str]) -> None:
-        """transformers forks ``parent`` into ``children`` (``num_return_sequences``): each child keeps the parent's
-        policy and recorders until it finishes itself (the parent may finish first, even in this turn)."""
-        with self.lock:
-            found = self.by_id.get(parent) or self.finished.get(parent)
-            if found is not None:
-                for child in children:
-                    self.by_id[child] = found
-
-    def salted(self, request_id: str, token_ids: list[int]) -> list[int]:
-        """The ids the blocks of ``request_id`` are hashed by: its own for the first policy, else mapped one to one
-        into the negative ids of the n-th policy (never a token's, never another policy's)."""
-        index = self.salts.get(self.of(request_id)[0], 0)
-        if not index or not _SALT:
-            return token_ids
-        offset = index * self.vocabulary
-        return [-(offset + token) for token in token_ids]
-
-    def forget(self, request_id: str) -> None:
-        with self.lock:
-            found = self.by_id.pop(request_id, None)
-        if found is not None:
-            self.finished[request_id] = found
-
-    def queued_again(self, request_id: str) -> None:
-        """transformers queued a request it had just finished (an offload): it keeps its policy and recorders."""
-        found = self.finished.pop(request_id, None)
-        if found is not None:
-            with self.lock:
-                self.by_id.setdefault(request_id, found)
-
-
 def request_policy(manager: Any, request_id: str) -> Policy | None:
     """The policy request ``request_id`` of ``manager`` was submitted under, while it is in flight (else None)."""
-    requests: _Requests | None = getattr(manager, _MARK, None)
+    requests: Requests | None = getattr(manager, _MARK, None)
     if requests is None:
         return None
     found = requests.by_id.get(request_id)
@@ -168,16 +97,16 @@ def policy_aware(manager: Any, *, policies: Iterable[Policy | str] = ()) -> Any:
         with kernelpolicy.kernels_disabled():
             disabled = model.generate_batch(ids)  # every step of these requests: the original forwards
     """
-    from ._values._policy import Policy
+    from .._values._policy import Policy
 
     wanted = tuple(Policy.parse(p) if isinstance(p, str) else p for p in policies)
-    existing: _Requests | None = getattr(manager, _MARK, None)
+    existing: Requests | None = getattr(manager, _MARK, None)
     if existing is not None:
         existing.policies = tuple(dict.fromkeys((*existing.policies, *wanted)))
         return manager
     if not _compat.all_present(_compat.BATCHING) or _compat.missing_attributes({"ContinuousBatchingManager": manager}):
         return manager  # told once by _compat: the manager stays as transformers made it
-    requests = _Requests(wanted, int(manager.model.config.get_text_config().vocab_size))
+    requests = Requests(wanted, int(manager.model.config.get_text_config().vocab_size))
     setattr(manager, _MARK, requests)
     queue = manager.input_queue
     put = queue.put
@@ -202,7 +131,7 @@ def policy_aware(manager: Any, *, policies: Iterable[Policy | str] = ()) -> Any:
 class _Rows:
     """The rows of a processor's batches: each prepared batch's slots, in a buffer of its own IO pair."""
 
-    def __init__(self, processor: Any, requests: _Requests) -> None:
+    def __init__(self, processor: Any, requests: Requests) -> None:
         self.requests = requests
         self.step = Step(processor.model_device)
         self.static = bool(processor.model_runner.pad_inputs)  # compiled or CUDA graphs: one program for every mix
@@ -254,15 +183,15 @@ class _Rows:
         self.step.begin(batch.rows, batch.host_rows, batch.slot_recorders)
 
 
-def _wrap_processor(processor: Any, requests: _Requests) -> None:
+def _wrap_processor(processor: Any, requests: Requests) -> None:
     if getattr(processor, _MARK, None) is requests:
         return  # the same processor, reset for a new run
     if _compat.missing_processor_attributes(processor):
         return  # told once by _compat: this processor's steps run under the policy in effect
     setattr(processor, _MARK, requests)
     _schedule_every_policy(processor.scheduler, requests)
-    _salt_prefix_hashes(processor.cache, requests)
-    _register_forks(processor.cache, requests)
+    salt_prefix_hashes(processor.cache, requests)
+    register_forks(processor.cache, requests)
     rows = _Rows(processor, requests)
     ios = processor.inputs_and_outputs
     prepare, batch_update = ios.prepare_batch_tensors, ios.prepare_batch_update
@@ -446,7 +375,7 @@ def _without(rows: _Rows, batch: _Batch, error: MixedCallError, failed: dict[str
     return _Batch(table, recorders, batch.rows, host_rows, slot_recorders, kept)
 
 
-def _schedule_every_policy(scheduler: Any, requests: _Requests) -> None:
+def _schedule_every_policy(scheduler: Any, requests: Requests) -> None:
     """``schedule_batch`` sees every request, except where the policies with work cannot share a step (a layer
     whose rows are not declared differs between them): there each step schedules one class of policies that
     can, the classes taking turns."""
@@ -503,7 +432,7 @@ def _classes(policies: tuple[Policy, ...], layers: frozenset[str]) -> list[froze
 def _scheduled_among(
     scheduler: Any,
     schedule: Callable[[int, int], Any],
-    requests: _Requests,
+    requests: Requests,
     chosen: frozenset[Policy],
     token_budget: int,
     cache_budget: int,
@@ -528,36 +457,6 @@ def _scheduled_among(
         scheduler.waiting_requests_order = type(scheduler.waiting_requests_order)(
             i for i in order if i in hidden_waiting or i in kept
         )
-
-
-def _salt_prefix_hashes(cache: Any, requests: _Requests) -> None:
-    """Salt the token ids a request's KV blocks are hashed by with its policy (the first policy: unchanged)."""
-    search = cache.search_prefix_match
-
-    def search_prefix_match(request_id: str, prompt_ids: list[int]) -> int:
-        return int(search(request_id, requests.salted(request_id, prompt_ids)))
-
-    cache.search_prefix_match = search_prefix_match
-    for allocator in cache.cache_allocators.values():
-        mark = allocator.mark_complete_blocks
-
-        def mark_complete_blocks(
-            request_id: str, token_ids: list[int], new_new_blocks: int, mark: Callable[..., None] = mark
-        ) -> None:
-            mark(request_id, requests.salted(request_id, token_ids), new_new_blocks)
-
-        allocator.mark_complete_blocks = mark_complete_blocks
-
-
-def _register_forks(cache: Any, requests: _Requests) -> None:
-    """A request's forked children (``num_return_sequences``) get its policy and recorders as they are forked."""
-    fork = cache.prepare_fork_request
-
-    def prepare_fork_request(src_state: Any, dst_req_ids: list[str], copy_src_and_dst: Any) -> list[str]:
-        requests.forked(src_state.request_id, dst_req_ids)  # forked here or queued anew: each child is one of these
-        return list(fork(src_state, dst_req_ids, copy_src_and_dst))
-
-    cache.prepare_fork_request = prepare_fork_request
 
 
 def _install_on_attach(model: Any, options: Any) -> None:
