@@ -121,7 +121,7 @@ class HubAttention(nn.Module):
             function = getattr(sys.modules[type(module).__module__], "eager_attention_forward")  # noqa: B009
         else:
             function = self.attention_functions[self.fallback]
-        if kwargs.get("cache") is not None and _paged(kwargs["cache"]):
+        if "cu_seq_lens_q" in kwargs:  # a packed batch (continuous batching): transformers built no mask for it
             key, value, attention_mask = _packed_batch(self.name, module, query, key, value, kwargs)
         return function(module, query, key, value, attention_mask, *args, **kwargs)
 
@@ -174,22 +174,17 @@ class _HubKernel:
         return out
 
 
-def _paged(cache: Any) -> bool:
-    from transformers.generation.continuous_batching import PagedAttentionCache
-
-    return isinstance(cache, PagedAttentionCache)
-
-
 def _packed_batch(name: str, module: nn.Module, query: Any, key: Any, value: Any, kwargs: dict[str, Any]) -> Any:
-    """The fallback's keys, values and mask for a continuous-batching step under a flash-named kernel.
+    """The fallback's keys, values and mask for a packed batch (a continuous-batching step) under a flash kernel.
 
     transformers packs the step's requests into one sequence and, for a flash implementation, builds no mask
     for it (the kernel reads the sequence boundaries, ``cu_seq_lens_q``/``cu_seq_lens_k``) and passes
-    ``is_causal=True``: sdpa or eager on that alone would attend across requests. Here the paged cache is
-    updated (as sdpa's own path does; ``kwargs`` loses the cache and gets this layer's ``cu_seq_lens_k``), and
-    the mask is each request's causal block of the packed batch (its sliding window too), additive, so that
-    rows of padding queries attend to nothing real and give no NaN. A block table (a KV cache read by the flash
-    kernel itself) leaves no keys for the fallback: refused by name.
+    ``is_causal=True``: sdpa or eager on that alone would attend across requests. Here the mask is each
+    request's causal block of the packed batch (its sliding window too), additive, so that rows of padding
+    queries attend to nothing real and give no NaN. transformers 5.22 leaves the paged cache to the attention
+    function (a ``cache`` argument): it is updated here, as sdpa's own path does, which also puts this layer's
+    ``cu_seq_lens_k`` in ``kwargs``; 5.25 updates it before the call. A block table (the fast decode path: the
+    flash kernel reads the paged cache itself) leaves no keys for the fallback: refused by name.
     """
     import torch
 
@@ -199,8 +194,9 @@ def _packed_batch(name: str, module: nn.Module, query: Any, key: Any, value: Any
             "the fallback cannot read the paged KV cache of the fast decode path (max_blocks_per_request=0 in the "
             "ContinuousBatchingConfig turns it off), or a policy that runs the kernel"
         )
-    cache = kwargs.pop("cache")
-    key, value = cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx, kwargs=kwargs)
+    cache = kwargs.pop("cache", None)
+    if cache is not None:
+        key, value = cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx, kwargs=kwargs)
     starts_q, starts_k = kwargs["cu_seq_lens_q"].long(), kwargs["cu_seq_lens_k"].long()
     count = starts_q.numel() - 1
     q_index = torch.arange(query.shape[-2], device=query.device)
