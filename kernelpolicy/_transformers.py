@@ -121,6 +121,8 @@ class HubAttention(nn.Module):
             function = getattr(sys.modules[type(module).__module__], "eager_attention_forward")  # noqa: B009
         else:
             function = self.attention_functions[self.fallback]
+        if "cu_seq_lens_q" in kwargs:  # a packed batch (continuous batching): transformers built no mask for it
+            key, value, attention_mask = _packed_batch(self.name, module, query, key, value, kwargs)
         return function(module, query, key, value, attention_mask, *args, **kwargs)
 
     def build_mask(self, *args: Any, **kwargs: Any) -> Any:
@@ -170,6 +172,50 @@ class _HubKernel:
             # between reloads this one and registers its raw function again (lazy_import_flash_attention)
             _register(self)
         return out
+
+
+def _packed_batch(name: str, module: nn.Module, query: Any, key: Any, value: Any, kwargs: dict[str, Any]) -> Any:
+    """The fallback's keys, values and mask for a packed batch (a continuous-batching step) under a flash kernel.
+
+    transformers packs the step's requests into one sequence and, for a flash implementation, builds no mask
+    for it (the kernel reads the sequence boundaries, ``cu_seq_lens_q``/``cu_seq_lens_k``) and passes
+    ``is_causal=True``: sdpa or eager on that alone would attend across requests. Here the mask is each
+    request's causal block of the packed batch (its sliding window too), additive, so that rows of padding
+    queries attend to nothing real and give no NaN. transformers 5.22 leaves the paged cache to the attention
+    function (a ``cache`` argument): it is updated here, as sdpa's own path does, which also puts this layer's
+    ``cu_seq_lens_k`` in ``kwargs``; 5.25 updates it before the call. A block table (the fast decode path: the
+    flash kernel reads the paged cache itself) leaves no keys for the fallback: refused by name.
+    """
+    import torch
+
+    if kwargs.get("block_table") is not None:
+        raise PolicyError(
+            f"attention=disable for the hub attention kernel {name!r} in continuous batching with a block table: "
+            "the fallback cannot read the paged KV cache of the fast decode path (max_blocks_per_request=0 in the "
+            "ContinuousBatchingConfig turns it off), or a policy that runs the kernel"
+        )
+    cache = kwargs.pop("cache", None)
+    if cache is not None:
+        key, value = cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx, kwargs=kwargs)
+    starts_q, starts_k = kwargs["cu_seq_lens_q"].long(), kwargs["cu_seq_lens_k"].long()
+    count = starts_q.numel() - 1
+    q_index = torch.arange(query.shape[-2], device=query.device)
+    k_index = torch.arange(key.shape[-2], device=query.device)
+    q_seq = torch.searchsorted(starts_q[1:], q_index, right=True)  # count: a padding query
+    k_seq = torch.searchsorted(starts_k[1:], k_index, right=True)
+    seq = q_seq.clamp(max=count - 1)
+    lengths_q, lengths_k = starts_q.diff(), starts_k.diff()
+    # Each query's place among its request's keys (which end with the step's own tokens), each key's.
+    q_place = q_index - starts_q[seq] + lengths_k[seq] - lengths_q[seq]
+    k_place = k_index - starts_k[k_seq.clamp(max=count - 1)]
+    allowed = (q_seq[:, None] == k_seq[None, :]) & (q_seq < count)[:, None] & (k_place[None, :] <= q_place[:, None])
+    window = kwargs.get("sliding_window")
+    if window is not None:
+        allowed &= q_place[:, None] - k_place[None, :] < window
+    mask = torch.zeros(allowed.shape, dtype=query.dtype, device=query.device)
+    mask.masked_fill_(~allowed, torch.finfo(query.dtype).min)
+    kwargs["is_causal"] = False
+    return key, value, mask[None, None]
 
 
 def _registries() -> tuple[Any, Any]:

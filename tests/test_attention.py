@@ -35,6 +35,8 @@ WRONG = "kernels-community/cpu-attention-scaled"  # the same kernel, its output 
 EAGER_FALLBACK = "kernels-community/cpu-attention-eager"  # the same kernel, attached with the eager fallback
 AUTO = "kernels-community/cpu-attention-auto"  # the same kernel, for the auto_attach tests
 AUTO_EAGER = "kernels-community/cpu-attention-auto-eager"
+#: Flash-named (transformers' continuous batching takes only flash kernels), each with one fallback.
+FLASH = {"sdpa": "kernels-community/cpu-flash-attention", "eager": "kernels-community/cpu-flash-attention-eager"}
 LAYERS = 2
 IDS = torch.randint(0, 256, (2, 7), generator=torch.Generator().manual_seed(3))
 PADDED = torch.ones(2, 7, dtype=torch.long)
@@ -60,7 +62,7 @@ def local_kernels(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
         name: write_kernel_repo(
             root / name, flash_attention_kernel_source(), name=name.split("/")[1], exports=FLASH_ATTENTION_EXPORTS
         )
-        for name in (AUTO, AUTO_EAGER)
+        for name in (AUTO, AUTO_EAGER, *FLASH.values())
     }
     with pytest.MonkeyPatch.context() as patch:
         repos = {KERNEL: exact, WRONG: scaled, EAGER_FALLBACK: eager, **auto}
@@ -73,16 +75,22 @@ def _config(family: str) -> Any:
     common = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": LAYERS, "vocab_size": 256}
     if family == "llama":
         return transformers.LlamaConfig(num_attention_heads=4, num_key_value_heads=2, **common)
+    if family == "mistral":  # a window shorter than the prompts: the fallback's mask must keep it
+        return transformers.MistralConfig(num_attention_heads=4, num_key_value_heads=2, sliding_window=5, **common)
     return transformers.Qwen2Config(num_attention_heads=4, num_key_value_heads=2, **common)
 
 
 def build(family: str, attention: str) -> Any:
     """The same weights (seeded) for every ``attention``; policy-aware (attached) when it is a hub kernel."""
     torch.manual_seed(0)
-    model_class = transformers.LlamaForCausalLM if family == "llama" else transformers.Qwen2ForCausalLM
+    model_class = {
+        "llama": transformers.LlamaForCausalLM,
+        "qwen2": transformers.Qwen2ForCausalLM,
+        "mistral": transformers.MistralForCausalLM,
+    }[family]
     model = model_class(_config(family)).eval()
     model.set_attn_implementation(attention)
-    return kp.attach(model)
+    return kp.attach(model, attention_fallback="eager" if attention == FLASH["eager"] else None)
 
 
 def kernel_module(name: str = "cpu_attention") -> ModuleType:
@@ -297,3 +305,52 @@ def test_auto_attach_keeps_the_fallback_kernelpolicy_kernelize_names(mapping: Ca
         kp.kernelize(model, mode="inference", device="cpu", attention_fallback="eager")  # not sdpa, the default
     with pytest.raises(kp.PolicyError, match=r"already falls back to 'eager', not 'sdpa'"):
         kp.attach(model, attention_fallback="sdpa")
+
+
+@pytest.mark.parametrize(
+    ("family", "fallback"), [("llama", "sdpa"), ("llama", "eager"), ("mistral", "sdpa")], ids=lambda v: str(v)
+)
+def test_disabled_attention_in_continuous_batching_gets_the_solo_tokens(family: str, fallback: str) -> None:
+    """transformers packs a step's requests into one sequence and, for a flash-named kernel, builds no mask for it:
+    the fallback gets each request's causal block (Mistral: its sliding window of 5 too), alone and mixed with
+    ``prefer`` in one manager (was: sdpa attended across requests, or failed on the step's shapes). The eager
+    fallback alone: mixed, its attention weights meet the kernel's None in the join (``_mixing``'s outputs)."""
+    from kernelpolicy._compat import _compat
+
+    if not all(_compat.first_present(seam) for seam in _compat.BATCHING):
+        pytest.skip(f"transformers {transformers.__version__} has not the batching seams of 5.22-5.25")
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    model = build(family, FLASH[fallback])
+    config = transformers.GenerationConfig(max_new_tokens=5, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    generator = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(1, 256, (n,), generator=generator).tolist() for n in (7, 9, 4, 11)]
+    off, on = kp.Policy.parse("attention=disable"), kp.Policy.parse("prefer")
+
+    def solo(policy: kp.Policy, prompt: list[int]) -> list[int]:
+        with kp.kernel_policy(policy):
+            return list(model.generate(torch.tensor([prompt]), generation_config=config)[0, len(prompt) :].tolist())
+
+    for policies in ([off] * 4, [off, on] * 2) if fallback == "sdpa" else ([off] * 4,):
+        manager = model.init_continuous_batching(
+            generation_config=config,
+            continuous_batching_config=ContinuousBatchingConfig(num_blocks=64, page_size=4, max_batch_tokens=64),
+        )
+        manager.start()
+        try:
+            ids = []
+            for policy, prompt in zip(policies, prompts, strict=True):
+                with kp.kernel_policy(policy):
+                    ids.append(manager.add_request(prompt))
+            results: dict[str, Any] = {}
+            while len(results) < len(ids):
+                result = manager.get_result(timeout=60)
+                assert result is not None, f"no result; have {sorted(results)}"
+                if result.is_finished():
+                    results[result.request_id] = result
+        finally:
+            manager.stop(block=True, timeout=30)
+        outputs = [results[i] for i in ids]
+        assert [o.error for o in outputs] == [None] * 4
+        expected = [solo(p, prompt) for p, prompt in zip(policies, prompts, strict=True)]
+        assert [o.generated_tokens for o in outputs] == expected

@@ -171,7 +171,7 @@ def test_prefix_sharing_control_unsalted_blocks_leak_across_policies(
     model: Any, config: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The control: without the salt, the second policy's request reuses the first's KV blocks."""
-    monkeypatch.setattr(batching, "_SALT", False)
+    monkeypatch.setattr(batching._requests, "_SALT", False)
     manager = model.init_continuous_batching(generation_config=config, continuous_batching_config=batching_config())
     manager.start()
     try:
@@ -503,3 +503,88 @@ def test_a_manager_keeps_what_the_policies_in_flight_need(model: Any, config: An
     assert len(step.policies) <= 4, len(step.policies)  # two in flight at a time, each wave's slots reused
     assert len(step.tables) <= 2, len(step.tables)
     assert len(step.slot_of) <= 2
+
+
+def test_forked_children_keep_their_parents_policy_for_their_whole_life(model: Any, config: Any) -> None:
+    """``num_return_sequences=3`` under ``disable`` in 6 blocks of 4: the children that do not fit when their parent
+    forks are queued anew and decode after it finished; each keeps ``disable`` and its recorders (was: looked up
+    through the parent's entry, gone once the parent finished, so they ran the manager thread's ``prefer``)."""
+    forking = transformers.GenerationConfig(
+        max_new_tokens=NEW, do_sample=True, top_k=1, eos_token_id=-1, pad_token_id=0, num_return_sequences=3
+    )  # top_k=1: greedy tokens (transformers refuses num_return_sequences without sampling)
+    chosen = prompts(2)
+    with kp.kernels_disabled(), kp.record_calls() as recorded:
+        outputs = model.generate_batch(
+            chosen,
+            generation_config=forking,
+            continuous_batching_config=batching_config(num_blocks=6, max_batch_tokens=64),
+        )
+    expected = {
+        f"req_{i}{child}": solo(model, config, OFF, prompt)
+        for i, prompt in enumerate(chosen)
+        for child in ("", "__child#0", "__child#1")
+    }
+    assert {i: o.generated_tokens for i, o in outputs.items()} == expected
+    assert set(recorded.by_layer()["RMSNorm"]) == {"original"}
+
+
+def test_a_kernel_that_raises_in_a_step_of_one_policy_fails_that_steps_requests_only(
+    config: Any, tmp_path: Any
+) -> None:
+    """Only ``prefer`` requests (no mixed call): the kernel raises from its 10th call on; those requests fail with
+    its error, the manager goes on serving (was: a plain RuntimeError stopped the manager, every later request
+    dropped)."""
+    import sys
+
+    failing = kernelize_locally(tiny_llama(), {"RMSNorm": write_kernel_repo(tmp_path, FAILING_KERNEL)})
+    layers = sys.modules[failing.model.norm.__dict__["_kernelpolicy"].kernel.__module__]
+    chosen = prompts(3, seed=12)
+    expected = solo(failing, config, PREFER, chosen[0])
+    manager = failing.init_continuous_batching(generation_config=config, continuous_batching_config=batching_config())
+    manager.start()
+    try:
+        layers.FAIL_AFTER[0] = layers.CALLS[0] + 10
+        outputs = run(manager, [(PREFER, prompt) for prompt in chosen])
+        layers.FAIL_AFTER[0] = None
+        assert manager.is_running()
+        [after] = run(manager, [(PREFER, chosen[0])])
+    finally:
+        layers.FAIL_AFTER[0] = None
+        manager.stop(block=True, timeout=30)
+    assert all(o.error is not None and "the kernel failed on this step" in o.error for o in outputs)
+    assert after.error is None and after.generated_tokens == expected
+
+
+def test_a_step_run_again_without_a_failed_policy_records_each_call_once(config: Any, tmp_path: Any) -> None:
+    """The ``disable`` requests' recorder counts the same calls whether or not the ``prefer`` rows' kernel raised
+    mid-step (was: the step ran again without them and the layers before the error were recorded twice)."""
+    import sys
+
+    failing = kernelize_locally(tiny_llama(), {"RMSNorm": write_kernel_repo(tmp_path, FAILING_KERNEL)})
+    layers = sys.modules[failing.model.norm.__dict__["_kernelpolicy"].kernel.__module__]
+    chosen = prompts(4, seed=13)
+    counts = []
+    for fail in (False, True):
+        manager = failing.init_continuous_batching(
+            generation_config=config, continuous_batching_config=batching_config()
+        )
+        layers.FAIL_AFTER[0] = layers.CALLS[0] + 3 if fail else None  # in the first step, after 3 RMSNorm calls
+        try:
+            with kp.record_calls() as recorded, kp.kernel_policy(OFF):
+                kept = [manager.add_request(prompt, max_new_tokens=NEW) for prompt in chosen[:2]]
+            with kp.kernel_policy(PREFER):
+                failed = [manager.add_request(prompt, max_new_tokens=NEW) for prompt in chosen[2:]]
+            manager.start()
+            errors: dict[str, Any] = {}
+            while len(errors) < 4:
+                result = manager.get_result(timeout=30)
+                assert result is not None
+                if result.is_finished():
+                    errors[result.request_id] = result.error
+        finally:
+            layers.FAIL_AFTER[0] = None
+            manager.stop(block=True, timeout=30)
+        assert [errors[i] for i in kept] == [None, None]
+        assert all((errors[i] is not None) == fail for i in failed)
+        counts.append(recorded.by_layer())
+    assert counts[1] == counts[0]

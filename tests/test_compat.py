@@ -316,7 +316,10 @@ def test_batching_wrappers_take_the_parameters_of_the_methods_they_replace() -> 
     import ast
     import inspect
 
-    tree = ast.parse((pathlib.Path(kp.__file__).parent / "batching.py").read_text())
+    package = pathlib.Path(kp.__file__).parent / "batching"
+    tree = ast.Module(
+        body=[n for p in sorted(package.glob("*.py")) for n in ast.parse(p.read_text()).body], type_ignores=[]
+    )
     wrappers = {node.name: node for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)}
     calls = {
         node.func.attr: node

@@ -818,6 +818,36 @@ def _on_one_connection(url: str, *requests: tuple[dict[str, Any], dict[str, str]
 
 @pytest.mark.slow
 @needs_serve
+def test_a_kernel_that_raises_fails_its_request_and_the_server_keeps_serving(
+    model_and_kernel: tuple[Any, Any, Any, Any],
+) -> None:
+    """A kernel that raises on the marker token, under ``prefer`` (no ``fallback_on``): the marked request gets a
+    500 naming the kernel's error, and the requests after it their tokens (was: a plain RuntimeError in a step of
+    one policy stopped the batching manager, and every later request failed)."""
+    import transformers
+
+    from kernelpolicy.testing import local_mapping, write_kernel_repo
+
+    root, folder, _, _ = model_and_kernel
+    reference = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    row = reference.model.embed_tokens.weight[MARKER, :4].tolist()
+    repo = write_kernel_repo(root / "raising-repo", marker_kernel_source(row), name="raising-rmsnorm")
+    with local_mapping({"RMSNorm": repo}):
+        kp.kernelize(reference, mode="inference", device="cpu")
+    with _server(root, folder, repo) as url:
+        failed = chat(url, str(folder), MARKED[0], None)
+        after = [
+            chat(url, str(folder), prompt, policy) for prompt, policy in ((PROMPTS[0], None), (PROMPTS[1], "disable"))
+        ]
+    status, body = failed
+    assert status == 500 and body["error"]["code"] == "request_failed", failed
+    assert [status for status, _ in after] == [200, 200], after
+    got = [ids(body["choices"][0]["message"]["content"]) for _, body in after]
+    assert got == [solo(reference, "prefer", PROMPTS[0]), solo(reference, "disable", PROMPTS[1])]
+
+
+@pytest.mark.slow
+@needs_serve
 def test_a_request_the_canary_fails_gets_a_json_500_and_the_connection_serves_the_next(
     model_and_kernel: tuple[Any, Any, Any, Any],
 ) -> None:

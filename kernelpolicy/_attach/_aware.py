@@ -72,7 +72,15 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
 
-__all__ = ["KERNELIZING", "NO_ORIGINAL", "ORIGINALS", "binding_of", "bound_by_hand", "bound_forward"]
+__all__ = [
+    "KERNELIZING",
+    "NO_ORIGINAL",
+    "ORIGINALS",
+    "aware_modules",
+    "binding_of",
+    "bound_by_hand",
+    "bound_forward",
+]
 
 _versions.check_torch()
 
@@ -94,6 +102,11 @@ KERNELIZING: ContextVar[bool] = ContextVar("kernelpolicy.kernelizing", default=F
 _VARIANT: ContextVar[str | None] = ContextVar("kernelpolicy.variant", default=None)
 # Kernel layer name -> its policy-aware modules alive, so that a new rule rebuilds their forwards.
 _AWARE_MODULES: dict[str, weakref.WeakSet[nn.Module]] = {}
+
+
+def aware_modules() -> list[nn.Module]:
+    """Every policy-aware module alive (transformers' hub attention too, which no model holds)."""
+    return [module for modules in list(_AWARE_MODULES.values()) for module in list(modules)]
 
 
 def binding_of(module: nn.Module) -> Binding | None:

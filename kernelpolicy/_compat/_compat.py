@@ -268,6 +268,7 @@ PARAMETERS: Final[tuple[tuple[str, tuple[str, ...] | None], ...]] = (
     ("scheduler.Scheduler.add_waiting_request", ("state",)),
     ("scheduler.Scheduler.clear_cancelled_requests", ()),
     ("cache.PagedAttentionCache.search_prefix_match", ("request_id", "prompt_ids")),
+    ("cache.PagedAttentionCache.prepare_fork_request", ("src_state", "dst_req_ids", "copy_src_and_dst")),
     (
         "cache_allocators.cache_allocator.CacheAllocator.mark_complete_blocks",
         ("request_id", "token_ids", "new_new_blocks"),

@@ -6,8 +6,9 @@ manager's thread defaults to. This module owns the seam (:func:`policy_aware`), 
 once kernelpolicy has attached a transformers model (``attach``, ``kernelize``, ``auto_attach``), or by hand:
 
 - **each request carries the policy in effect where it was submitted** (``add_request``, ``add_requests``,
-  ``generate_batch`` inside a scope), and the ``record_calls`` recorders active there; a request that
-  transformers offloads under cache pressure keeps both when it is scheduled again;
+  ``generate_batch`` inside a scope), and the ``record_calls`` recorders active there, for its whole life:
+  offloaded and queued again, forked (``num_return_sequences``: each child), its KV blocks salted by its policy
+  (:mod:`kernelpolicy.batching._requests`);
 - **one forward step serves every policy**: the manager's scheduler (any of ``SCHEDULER_MAPPING``) sees every
   request; in each policy-aware layer whose paths differ between the step's policies, each request's rows take
   its policy's path (``_mixing``: the rows' policies come with each batch; compiled, they are an input). A
@@ -15,8 +16,10 @@ once kernelpolicy has attached a transformers model (``attach``, ``kernelize``, 
   taking turns, and transformers' offloading still sees every request;
 - **recorders count per request**: a call counts for each request's recorders on that request's path;
 - **a policy's error fails only its requests**: an error raised by some policies' rows in a mixed step (a
-  kernel's exception, ``require``, ``verify``) fails their requests and the step runs again without them; in a
-  step of one policy, ``require`` or ``verify`` failing fails that step's requests;
+  kernel's exception, ``require``, ``verify``) fails their requests and the step runs again without them; a
+  kernel's exception, ``require`` or ``verify`` failing where every row ran the path (a step of one policy, a
+  layer the step's policies agree on) fails that step's requests; the manager goes on serving. An error of
+  transformers' own (raised outside any kernel) stops the manager, as without kernelpolicy;
 - **prefix sharing keeps policies apart**: a KV block computed under one policy is never reused by a
   request of another (the block hashes of all but the first policy a manager sees are salted);
 - **warm-up covers each policy served**: ``policy_aware(manager, policies=[...])`` runs the manager's warm-up
@@ -30,37 +33,36 @@ transformers, which fails every request (a GPU-only path, untested here).
 
 from __future__ import annotations
 
-import collections
 import functools
+import inspect
 import itertools
-import threading
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from ._attach._attach import ATTACH_HOOKS
-from ._compat import _compat
-from ._context._active import RECORDERS, activate, current_policy
-from ._context._scope import kernel_policy
-from ._forward._binding import BINDING
-from ._forward._mixing import ROWS, MixedCallError, Step, UnsplittableCall, declare_rows, mixable, mixed_scope
-from ._values._errors import KernelMismatchError, KernelUnavailableError, PolicyError
+from .._attach._attach import ATTACH_HOOKS
+from .._attach._aware import aware_modules
+from .._compat import _compat
+from .._context._active import activate, current_policy
+from .._context._scope import kernel_policy
+from .._forward._binding import BINDING
+from .._forward._mixing import ROWS, MixedCallError, Step, UnsplittableCall, declare_rows, mixable, mixed_scope
+from .._values._errors import KernelMismatchError, KernelUnavailableError
+from ._requests import Requests, register_forks, salt_prefix_hashes
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
 
-    from ._context._active import Active
-    from ._values._policy import Policy
+    from .._context._active import Active
+    from .._values._policy import Policy
 
 __all__ = ["declare_rows", "policy_aware", "request_policy"]
 
-#: Errors a policy raises in a forward: in a step of one policy they fail that step's requests, not the manager.
+#: Errors a policy raises in a forward: like a kernel's own error (:func:`_raised_in_a_kernel`), raised in a step
+#: outside a mixed call they fail that step's requests (every row ran the path that raised), not the manager.
 POLICY_ERRORS: tuple[type[Exception], ...] = (KernelUnavailableError, KernelMismatchError)
 
 _MARK = "_kernelpolicy_requests"
-#: Whether the KV block hashes of a manager's second and later policies are salted (tests switch it off).
-_SALT = True
-_CHILD = "__child#"  # transformers' ids of a request's forked children: "<parent>__child#<i>"
 
 
 class _Batch(NamedTuple):
@@ -77,79 +79,12 @@ class _Batch(NamedTuple):
     before: tuple[tuple[int, list[int]], ...] = ()
 
 
-class _Requests:
-    """The policy and recorders each request of one manager was submitted with, by request id."""
-
-    def __init__(self, policies: tuple[Policy, ...], vocabulary: int) -> None:
-        self.lock = threading.Lock()
-        #: The kernel layer names of the manager's model (what decides whether policies can share a step).
-        self.layers: frozenset[str] = frozenset()
-        self.vocabulary = vocabulary
-        #: transformers hashes a block's token ids as 32-bit integers: n policies need n * vocabulary ids.
-        self.most_policies = (2**31 - 1) // vocabulary
-        self.by_id: dict[str, tuple[Policy, tuple[Any, ...]]] = {}
-        self.salts: dict[Policy, int] = {}
-        self.policies = policies  # warmed up
-        #: The rows of the current processor's steps (what tests and operators read).
-        self.step: Step | None = None
-        self.turn = itertools.count()
-        #: The policies each step served, the last 10,000 (what an operator or a test reads).
-        self.history: collections.deque[tuple[Policy, ...]] = collections.deque(maxlen=10_000)
-        #: Row counts at which a mixed call could not tell the step's rows apart (a per-head norm of as many heads):
-        #: mixed steps of these counts run one policy at a time.
-        self.unsplittable_counts: set[int] = set()
-        #: Layers whose outputs show no rows (a value for the whole call that differs by path): grouped by policy.
-        self.grouped: set[str] = set()
-        #: What requests transformers finished in this turn of its loop had: an offloaded request is finished, then
-        #: queued again at once, and gets it back (cleared at the next turn).
-        self.finished: dict[str, tuple[Policy, tuple[Any, ...]]] = {}
-
-    def submitted(self, request_id: str) -> None:
-        policy, recorders = current_policy(), RECORDERS.get()
-        with self.lock:
-            if policy not in self.salts and len(self.salts) >= self.most_policies:
-                raise PolicyError(
-                    f"a continuous batching manager keeps at most {self.most_policies} policies apart (a vocabulary "
-                    f"of {self.vocabulary}); request {request_id!r} brings one more, {str(policy)!r}: serve fewer "
-                    "distinct policies (an allowlist), or another manager"
-                )
-            self.by_id[request_id] = (policy, recorders)
-            self.salts.setdefault(policy, len(self.salts))
-
-    def of(self, request_id: str) -> tuple[Policy, tuple[Any, ...]]:
-        found = self.by_id.get(request_id.partition(_CHILD)[0])
-        return found if found is not None else (current_policy(), ())
-
-    def salted(self, request_id: str, token_ids: list[int]) -> list[int]:
-        """The ids the blocks of ``request_id`` are hashed by: its own for the first policy, else mapped one to one
-        into the negative ids of the n-th policy (never a token's, never another policy's)."""
-        index = self.salts.get(self.of(request_id)[0], 0)
-        if not index or not _SALT:
-            return token_ids
-        offset = index * self.vocabulary
-        return [-(offset + token) for token in token_ids]
-
-    def forget(self, request_id: str) -> None:
-        if _CHILD not in request_id:
-            with self.lock:
-                found = self.by_id.pop(request_id, None)
-            if found is not None:
-                self.finished[request_id] = found
-
-    def queued_again(self, request_id: str) -> None:
-        """transformers queued a request it had just finished (an offload): it keeps its policy and recorders."""
-        found = self.finished.pop(request_id, None)
-        if found is not None:
-            with self.lock:
-                self.by_id.setdefault(request_id, found)
-
-
 def request_policy(manager: Any, request_id: str) -> Policy | None:
     """The policy request ``request_id`` of ``manager`` was submitted under, while it is in flight (else None)."""
-    requests: _Requests | None = getattr(manager, _MARK, None)
+    requests: Requests | None = getattr(manager, _MARK, None)
     if requests is None:
         return None
-    found = requests.by_id.get(request_id.partition(_CHILD)[0])
+    found = requests.by_id.get(request_id)
     return found[0] if found is not None else None
 
 
@@ -165,16 +100,16 @@ def policy_aware(manager: Any, *, policies: Iterable[Policy | str] = ()) -> Any:
         with kernelpolicy.kernels_disabled():
             disabled = model.generate_batch(ids)  # every step of these requests: the original forwards
     """
-    from ._values._policy import Policy
+    from .._values._policy import Policy
 
     wanted = tuple(Policy.parse(p) if isinstance(p, str) else p for p in policies)
-    existing: _Requests | None = getattr(manager, _MARK, None)
+    existing: Requests | None = getattr(manager, _MARK, None)
     if existing is not None:
         existing.policies = tuple(dict.fromkeys((*existing.policies, *wanted)))
         return manager
     if not _compat.all_present(_compat.BATCHING) or _compat.missing_attributes({"ContinuousBatchingManager": manager}):
         return manager  # told once by _compat: the manager stays as transformers made it
-    requests = _Requests(wanted, int(manager.model.config.get_text_config().vocab_size))
+    requests = Requests(wanted, int(manager.model.config.get_text_config().vocab_size))
     setattr(manager, _MARK, requests)
     queue = manager.input_queue
     put = queue.put
@@ -199,7 +134,7 @@ def policy_aware(manager: Any, *, policies: Iterable[Policy | str] = ()) -> Any:
 class _Rows:
     """The rows of a processor's batches: each prepared batch's slots, in a buffer of its own IO pair."""
 
-    def __init__(self, processor: Any, requests: _Requests) -> None:
+    def __init__(self, processor: Any, requests: Requests) -> None:
         self.requests = requests
         self.step = requests.step = Step(processor.model_device)
         self.static = bool(processor.model_runner.pad_inputs)  # compiled or CUDA graphs: one program for every mix
@@ -256,14 +191,15 @@ class _Rows:
         self.step.begin(batch.rows, batch.host_rows, batch.slot_recorders)
 
 
-def _wrap_processor(processor: Any, requests: _Requests) -> None:
+def _wrap_processor(processor: Any, requests: Requests) -> None:
     if getattr(processor, _MARK, None) is requests:
         return  # the same processor, reset for a new run
     if _compat.missing_processor_attributes(processor):
         return  # told once by _compat: this processor's steps run under the policy in effect
     setattr(processor, _MARK, requests)
     _schedule_every_policy(processor.scheduler, requests)
-    _salt_prefix_hashes(processor.cache, requests)
+    salt_prefix_hashes(processor.cache, requests)
+    register_forks(processor.cache, requests)
     rows = _Rows(processor, requests)
     ios = processor.inputs_and_outputs
     prepare, batch_update = ios.prepare_batch_tensors, ios.prepare_batch_update
@@ -322,37 +258,46 @@ def _wrap_processor(processor: Any, requests: _Requests) -> None:
         if batch is None:  # nothing prepared by kernelpolicy's seam: the policy in effect
             step(model)
             return
+        batch = _holding(batch)  # each call recorded once: held until the step stands
         rows.begin(batch)
-        while True:
-            try:
-                if batch.table.mix is not None and len(batch.host_rows) in requests.unsplittable_counts:
-                    run_apart(model, batch)  # a row count at which a mixed call cannot tell the rows apart
+        try:
+            while True:
+                try:
+                    if batch.table.mix is not None and len(batch.host_rows) in requests.unsplittable_counts:
+                        run_apart(model, batch)  # a row count at which a mixed call cannot tell the rows apart
+                        return
+                    with mixed_scope(batch.table, batch.recorders):
+                        step(model)
                     return
-                with mixed_scope(batch.table, batch.recorders):
-                    step(model)
-                return
-            except UnsplittableCall as error:
-                if use_async or _compat.missing_attributes({"RequestState": batch.futures[0].state}):
-                    raise
-                if error.size is None:
-                    requests.grouped.add(error.layer_name)  # later steps keep its policies apart
-                else:
-                    requests.unsplittable_counts.add(error.size)
-                run_apart(model, batch)
-                return
-            except MixedCallError as error:
-                if use_async:
-                    raise error.error from error  # async batching updates a step late: transformers fails every request
-                batch = _without(rows, batch, error, failed)
-                if batch is None:
+                except UnsplittableCall as error:
+                    if use_async or _compat.missing_attributes({"RequestState": batch.futures[0].state}):
+                        raise
+                    if error.size is None:
+                        requests.grouped.add(error.layer_name)  # later steps keep its policies apart
+                    else:
+                        requests.unsplittable_counts.add(error.size)
+                    for holder in batch.recorders:
+                        holder.calls.clear()  # the attempt's calls: the runs apart record theirs
+                    run_apart(model, batch)
                     return
-                rows.begin(batch)
-            except POLICY_ERRORS as error:
-                if use_async:
-                    raise
-                for request_id in batch.requests:
-                    failed[request_id] = error
-                return
+                except MixedCallError as error:
+                    if use_async:
+                        raise error.error from error  # async batching updates a step late: transformers fails all
+                    kept = _without(rows, batch, error, failed)
+                    _settle(batch, kept)
+                    if kept is None:
+                        return
+                    batch = kept
+                    rows.begin(batch)
+                except Exception as error:
+                    if use_async or not (isinstance(error, POLICY_ERRORS) or _raised_in_a_kernel(error)):
+                        raise  # transformers' own: it stops the manager, as without kernelpolicy
+                    for request_id in batch.requests:
+                        failed[request_id] = error
+                    return
+        finally:
+            for holder in batch.recorders:
+                holder.pass_on()
 
     def prepare_batch_update() -> Any:
         if apart:  # a step run one policy at a time: the outputs of each run, in turn
@@ -407,9 +352,72 @@ def _wrap_processor(processor: Any, requests: _Requests) -> None:
     processor.warmup = warm_up
 
 
+def _raised_in_a_kernel(error: BaseException) -> bool:
+    """Whether ``error`` was raised inside a bound kernel or variant (its frame is on the error's traceback, or on
+    that of the error it was raised from). A kernel traced into a compiled program shows no frame of its own:
+    its errors there are transformers' (the manager stops)."""
+    kernels = set()
+    for module in aware_modules():
+        binding = module.__dict__.get(BINDING)
+        if binding is None:
+            continue
+        for function in (binding.kernel, *(variant.function for variant in binding.variants.values())):
+            code = getattr(inspect.unwrap(getattr(function, "__func__", function)), "__code__", None)
+            if code is not None:
+                kernels.add(code)
+    seen: BaseException | None = error
+    for _ in range(8):  # the chain of causes, bounded
+        if seen is None:
+            return False
+        trace = seen.__traceback__
+        while trace is not None:
+            if trace.tb_frame.f_code in kernels:
+                return True
+            trace = trace.tb_next
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
 def _layer_names(model: Any) -> frozenset[str]:
     """The kernel layer names of the policy-aware modules of ``model`` (what a manager's steps can differ on)."""
     return frozenset(m.__dict__[BINDING].layer_name for m in model.modules() if BINDING in m.__dict__)
+
+
+class _Holder:
+    """One recorder's calls in an attempt of a step, passed on once the attempt stands (or is its requests' last)."""
+
+    __slots__ = ("calls", "recorder")
+
+    def __init__(self, recorder: Any) -> None:
+        self.recorder = recorder
+        self.calls: list[tuple[Any, ...]] = []
+
+    def add(self, *call: Any) -> None:
+        self.calls.append(call)
+
+    def pass_on(self) -> None:
+        calls, self.calls = self.calls, []
+        for call in calls:
+            self.recorder.add(*call)
+
+
+def _holding(batch: _Batch) -> _Batch:
+    """``batch`` with a :class:`_Holder` in place of each of its recorders."""
+    holders = {id(recorder): _Holder(recorder) for recorder in batch.recorders}
+    by_slot = {slot: tuple(holders[id(r)] for r in group) for slot, group in batch.slot_recorders.items()}
+    return batch._replace(recorders=tuple(holders.values()), slot_recorders=by_slot)
+
+
+def _settle(attempt: _Batch, again: _Batch | None) -> None:
+    """An attempt of a step ran until some policies' rows raised; ``again`` runs without their requests. A recorder
+    that a kept request carries forgets the attempt (the step run again records those calls); one that only failed
+    requests carry counts it (their calls, up to the error, ran once)."""
+    kept = set() if again is None else {id(holder) for holder in again.recorders}
+    for holder in attempt.recorders:
+        if id(holder) in kept:
+            holder.calls.clear()
+        else:
+            holder.pass_on()
 
 
 def _without(rows: _Rows, batch: _Batch, error: MixedCallError, failed: dict[str, Exception]) -> _Batch | None:
@@ -431,7 +439,7 @@ def _without(rows: _Rows, batch: _Batch, error: MixedCallError, failed: dict[str
     return _Batch(table, recorders, batch.rows, host_rows, slot_recorders, kept)
 
 
-def _schedule_every_policy(scheduler: Any, requests: _Requests) -> None:
+def _schedule_every_policy(scheduler: Any, requests: Requests) -> None:
     """``schedule_batch`` sees every request, except where the policies with work cannot share a step (a layer
     whose rows are not declared differs between them): there each step schedules one class of policies that
     can, the classes taking turns."""
@@ -489,7 +497,7 @@ def _classes(policies: tuple[Policy, ...], layers: frozenset[str], grouped: set[
 def _scheduled_among(
     scheduler: Any,
     schedule: Callable[[int, int], Any],
-    requests: _Requests,
+    requests: Requests,
     chosen: frozenset[Policy],
     token_budget: int,
     cache_budget: int,
@@ -514,25 +522,6 @@ def _scheduled_among(
         scheduler.waiting_requests_order = type(scheduler.waiting_requests_order)(
             i for i in order if i in hidden_waiting or i in kept
         )
-
-
-def _salt_prefix_hashes(cache: Any, requests: _Requests) -> None:
-    """Salt the token ids a request's KV blocks are hashed by with its policy (the first policy: unchanged)."""
-    search = cache.search_prefix_match
-
-    def search_prefix_match(request_id: str, prompt_ids: list[int]) -> int:
-        return int(search(request_id, requests.salted(request_id, prompt_ids)))
-
-    cache.search_prefix_match = search_prefix_match
-    for allocator in cache.cache_allocators.values():
-        mark = allocator.mark_complete_blocks
-
-        def mark_complete_blocks(
-            request_id: str, token_ids: list[int], new_new_blocks: int, mark: Callable[..., None] = mark
-        ) -> None:
-            mark(request_id, requests.salted(request_id, token_ids), new_new_blocks)
-
-        allocator.mark_complete_blocks = mark_complete_blocks
 
 
 def _install_on_attach(model: Any, options: Any) -> None:
