@@ -185,7 +185,7 @@ class _ReplayingSetter:
 
     Stored on the instance by :func:`attach_checkpointing`, so that
     ``gradient_checkpointing_enable()`` called after ``attach`` hands every layer
-    a replaying checkpoint function too. Copies and pickles with the model.
+    a replaying checkpoint function too. GroupInputs and pickles with the model.
     """
 
     __slots__ = ("model",)

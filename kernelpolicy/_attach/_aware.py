@@ -396,7 +396,7 @@ def _aware_members(cls: type[nn.Module]) -> dict[str, Any]:
     }
     if _call_fold.FAST_CALL and _plain_call(cls):
         members["__call__"] = _aware_call
-    # Copies and pickles (``_copies``) are no feature: every way of making a module aware imports them first.
+    # GroupInputs and pickles (``_copies``) are no feature: every way of making a module aware imports them first.
     assert CLASS_MEMBERS, "kernelpolicy._attach._copies is imported before any class is made aware"
     for more in CLASS_MEMBERS:
         members.update(more(cls))

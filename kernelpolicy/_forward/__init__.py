@@ -5,7 +5,8 @@
 - ``_failures``: a kernel's failures (``fallback_on``, ``max_failures``, DTensor's), and the lines logged once;
 - ``_variants``: kernel variants, and which one a call under a variant entry takes;
 - ``_call_fold``: ``module(...)`` in one frame;
-- ``_mixing``: one call whose rows follow several policies;
+- ``_mixing``: one call whose rows follow several policies; ``_step``: a batching step's slots, tables and
+  groups of rows; ``_row_join``: a call's rows found from the call, each group's copies, the outputs joined per row;
 - ``_verify``: ``verify`` mode's comparison;
 - ``_replay``: recomputations take their first run's path;
 - ``_persisted``: the policy a persisted compiled program was traced under;

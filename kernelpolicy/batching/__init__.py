@@ -46,12 +46,13 @@ from .._compat import _compat
 from .._context._active import activate, current_policy
 from .._context._scope import kernel_policy
 from .._forward._binding import BINDING
-from .._forward._mixing import ROWS, MixedCallError, Step, UnsplittableCall, declare_rows, mixable, mixed_scope
+from .._forward._mixing import MixedCallError, Step, UnsplittableCall, declare_rows, mixable, mixed_scope
 from .._values._errors import KernelMismatchError, KernelUnavailableError
 from ._requests import Requests, register_forks, salt_prefix_hashes
+from ._schedule import schedule_every_policy
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterable
+    from collections.abc import Iterable
 
     from .._context._active import Active
     from .._values._policy import Policy
@@ -197,7 +198,7 @@ def _wrap_processor(processor: Any, requests: Requests) -> None:
     if _compat.missing_processor_attributes(processor):
         return  # told once by _compat: this processor's steps run under the policy in effect
     setattr(processor, _MARK, requests)
-    _schedule_every_policy(processor.scheduler, requests)
+    schedule_every_policy(processor.scheduler, requests)
     salt_prefix_hashes(processor.cache, requests)
     register_forks(processor.cache, requests)
     rows = _Rows(processor, requests)
@@ -437,91 +438,6 @@ def _without(rows: _Rows, batch: _Batch, error: MixedCallError, failed: dict[str
     recorders = tuple(dict.fromkeys(r for group in slot_recorders.values() for r in group))
     table = rows.table(tuple(sorted(set(kept.values()))), bool(recorders))
     return _Batch(table, recorders, batch.rows, host_rows, slot_recorders, kept)
-
-
-def _schedule_every_policy(scheduler: Any, requests: Requests) -> None:
-    """``schedule_batch`` sees every request, except where the policies with work cannot share a step (a layer
-    whose rows are not declared differs between them): there each step schedules one class of policies that
-    can, the classes taking turns."""
-    schedule, finish, clear = scheduler.schedule_batch, scheduler.finish_request, scheduler.clear_cancelled_requests
-    add = scheduler.add_waiting_request
-
-    def schedule_batch(token_budget: int, cache_budget: int) -> Any:
-        with_work: dict[Policy, None] = {}
-        for request_id in itertools.chain(scheduler.active_requests, scheduler.waiting_requests_order):
-            with_work.setdefault(requests.of(request_id)[0], None)
-        classes = _classes(tuple(with_work), requests.layers, requests.grouped)
-        if len(classes) <= 1:
-            return schedule(token_budget, cache_budget)
-        first = next(requests.turn) % len(classes)
-        result = None
-        for chosen in classes[first:] + classes[:first]:
-            result = _scheduled_among(scheduler, schedule, requests, chosen, token_budget, cache_budget)
-            if result[0] is not None:
-                return result  # else the next class: transformers offloads only once none can be scheduled
-        return result
-
-    def finish_request(request_id: str, *args: Any, **kwargs: Any) -> None:
-        finish(request_id, *args, **kwargs)
-        requests.forget(request_id)
-
-    def add_waiting_request(state: Any, *args: Any, **kwargs: Any) -> None:
-        requests.queued_again(state.request_id)
-        add(state, *args, **kwargs)
-
-    def clear_cancelled_requests(*args: Any, **kwargs: Any) -> Any:
-        requests.finished.clear()  # a new turn of transformers' loop
-        cancelled = clear(*args, **kwargs)
-        for state in cancelled:
-            requests.forget(state.request_id)
-        return cancelled
-
-    scheduler.schedule_batch = schedule_batch
-    scheduler.finish_request = finish_request
-    scheduler.add_waiting_request = add_waiting_request
-    scheduler.clear_cancelled_requests = clear_cancelled_requests
-
-
-def _classes(policies: tuple[Policy, ...], layers: frozenset[str], grouped: set[str]) -> list[frozenset[Policy]]:
-    """``policies`` in classes that may share a step: the same entries and options on every undeclared layer (and
-    every layer found unsplittable)."""
-    if len(policies) <= 1 or mixable(policies, layers, grouped):
-        return [frozenset(policies)]
-    undeclared = sorted((layers - set(ROWS)) | (layers & grouped))
-    keyed: dict[tuple[Any, ...], list[Policy]] = {}
-    for policy in policies:
-        keyed.setdefault(tuple((policy.entry_for(n), policy.options) for n in undeclared), []).append(policy)
-    return [frozenset(group) for group in keyed.values()]
-
-
-def _scheduled_among(
-    scheduler: Any,
-    schedule: Callable[[int, int], Any],
-    requests: Requests,
-    chosen: frozenset[Policy],
-    token_budget: int,
-    cache_budget: int,
-) -> Any:
-    """The scheduler's own ``schedule_batch`` with the requests of other policies set aside, then put back."""
-    order = list(scheduler.waiting_requests_order)
-    hidden_active = {i: s for i, s in scheduler.active_requests.items() if requests.of(i)[0] not in chosen}
-    hidden_waiting = {i: s for i, s in scheduler.waiting_requests.items() if requests.of(i)[0] not in chosen}
-    for request_id in hidden_active:
-        del scheduler.active_requests[request_id]
-    for request_id in hidden_waiting:
-        del scheduler.waiting_requests[request_id]
-    scheduler.waiting_requests_order = type(scheduler.waiting_requests_order)(
-        i for i in order if i not in hidden_waiting
-    )
-    try:
-        return schedule(token_budget, cache_budget)
-    finally:
-        scheduler.active_requests.update(hidden_active)
-        scheduler.waiting_requests.update(hidden_waiting)
-        kept = set(scheduler.waiting_requests_order)
-        scheduler.waiting_requests_order = type(scheduler.waiting_requests_order)(
-            i for i in order if i in hidden_waiting or i in kept
-        )
 
 
 def _install_on_attach(model: Any, options: Any) -> None:

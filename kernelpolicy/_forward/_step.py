@@ -1,0 +1,268 @@
+"""A continuous-batching step whose rows follow several policies: its slots, its tables and its groups of rows.
+
+This module owns :class:`Step` (one per batching manager: each row's slot as a tensor, a per-batch input, so one
+compiled program serves every mix; a slot is a policy's while requests of it are in flight), :class:`Members` (what
+a mixed step's table carries: the policies served together, per layer whose slots have the kernel on and which entry
+each slot's policy gives), the row declarations' type :class:`Rows`, and :meth:`Step.plan`, the groups of rows of a
+mixed call (the policies that agree on the layer) with the scope each runs in.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Final, Literal, NamedTuple, Protocol, final
+
+import torch
+
+from .._context._active import Active, activate_mixed, known_layers
+from .._context._scope import _recording_scope
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Collection, Mapping
+
+    from torch import nn
+
+    from .._values._policy import Policy
+
+__all__ = ["Group", "Held", "Join", "Kind", "Members", "Mixed", "Rows", "Step"]
+
+Kind = Literal["token", "request"]
+Join = Literal["select", "split"]
+
+
+class Mixed(Protocol):
+    """What a mixed call reads of its module's binding (``_binding.Binding``, a layer above, satisfies it).
+
+    ``variants`` maps names to ``_binding.Kernel`` there (a layer above): here only whether there are any.
+    """
+
+    @property
+    def module(self) -> nn.Module: ...
+    @property
+    def layer_name(self) -> str: ...
+    @property
+    def original(self) -> Callable[..., Any]: ...
+    @property
+    def kernel(self) -> Callable[..., Any] | None: ...
+    @property
+    def variants(self) -> Mapping[str, object]: ...
+    @property
+    def can_torch_compile(self) -> bool: ...
+    @property
+    def dispatcher(self) -> Any: ...
+    def has_aware_children(self) -> bool: ...
+    def decide(
+        self, mode: str, state: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> tuple[str, str]: ...
+    def choose(
+        self, entry: str, state: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> tuple[str, str, Callable[..., Any] | None, str | None]: ...
+
+
+class Rows(NamedTuple):
+    """How a kernel layer's rows may be mixed: ``by`` (token or request), the row axis of its tensors, the join."""
+
+    by: Kind
+    #: The axis of the rows (tokens) in the layer's tensor arguments and outputs, counted from the end.
+    dim: int = -2
+    #: How eager calls join the paths; compiled programs always select (static shapes).
+    join: Join = "select"
+
+
+class Held:
+    """A recorder that holds the calls of an attempt on every row until the attempt is known to stand."""
+
+    __slots__ = ("calls",)
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+
+    def add(self, *call: Any) -> None:
+        self.calls.append(call)
+
+
+class Group(NamedTuple):
+    scope: Any  # the scope of the group's first policy (they agree on the layer), with the group's recorders
+    policies: tuple[Policy, ...]
+    mask: torch.Tensor  # (rows,) bool: the group's rows
+    rows: torch.Tensor | None  # the group's rows, where it runs on them only (a split join, or fallback_on)
+    own: torch.Tensor  # the group's rows, always (what its path may write back)
+    recorders: tuple[Any, ...]
+    #: For a group that runs on every row of a layer by token: the scope of that attempt, whose calls are held.
+    attempt: tuple[Any, Held] | None
+
+
+@final
+class Step:
+    """The rows of one batching manager's current step (one per manager; its steps run in one thread).
+
+    ``policies`` holds the policy of each slot: a slot is taken by a policy while requests of it are in flight,
+    then freed (:meth:`release`) for another; its tables go with it. ``rows`` holds each row's slot (a view of
+    the manager's per-batch buffer: padding rows hold the last row's slot), ``host_rows`` the same on the host,
+    ``recorders`` each slot's requests' recorders. Per-slot tensors have ``capacity`` entries (doubled when the
+    policies in flight outgrow it), so their shapes, and compiled programs, rarely change.
+    """
+
+    __slots__ = (
+        "_plans",
+        "capacity",
+        "device",
+        "free",
+        "host_rows",
+        "policies",
+        "recorders",
+        "rows",
+        "slot_of",
+        "tables",
+    )
+
+    #: The most tables a step keeps (the sets of policies served together most recently).
+    MOST_TABLES: Final = 64
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.policies: list[Policy] = []
+        self.slot_of: dict[Policy, int] = {}
+        self.free: list[int] = []
+        self.capacity = 8
+        self.rows = torch.zeros(0, dtype=torch.long, device=device)
+        self.host_rows: list[int] = []
+        self.recorders: dict[int, tuple[Any, ...]] = {}
+        #: The table of each set of slots served together (their owner: this step), the most recent last.
+        self.tables: dict[tuple[tuple[int, ...], bool], Active] = {}
+        self._plans: dict[tuple[str, bool, bool, tuple[int, ...]], list[Group]] = {}
+
+    def slot(self, policy: Policy) -> int:
+        """The slot of ``policy``: its own while it has one, else a free one, else a new one."""
+        found = self.slot_of.get(policy)
+        if found is None:
+            if self.free:
+                found = self.free.pop()
+                self.policies[found] = policy
+            else:
+                found = len(self.policies)
+                self.policies.append(policy)
+                if found >= self.capacity:
+                    self.capacity *= 2
+                    self.tables.clear()  # their per-slot tensors are too short now
+            self.slot_of[policy] = found
+        return found
+
+    def release(self, alive: Collection[Policy]) -> None:
+        """Free the slots of the policies not in ``alive`` (no request of theirs in flight), and their tables."""
+        gone = {slot for policy, slot in self.slot_of.items() if policy not in alive}
+        if not gone:
+            return
+        for slot in gone:
+            del self.slot_of[self.policies[slot]]
+        self.free.extend(sorted(gone, reverse=True))
+        self.tables = {key: table for key, table in self.tables.items() if gone.isdisjoint(key[0])}
+
+    def begin(self, rows: torch.Tensor, host_rows: list[int], recorders: dict[int, tuple[Any, ...]]) -> None:
+        """A new step: its rows' slots (device and host) and the recorders of each slot's requests."""
+        self.rows, self.host_rows, self.recorders = rows, host_rows, recorders
+        self._plans.clear()
+
+    def table(self, slots: tuple[int, ...], recording: bool) -> Active:
+        """The table of a step serving the policies of ``slots`` (two or more), made once per set while they last."""
+        key = (slots, recording)
+        found = self.tables.pop(key, None)
+        if found is None:
+            found = activate_mixed(Members(self, slots), recording)
+            while len(self.tables) >= self.MOST_TABLES:
+                del self.tables[next(iter(self.tables))]
+        self.tables[key] = found  # the most recent last
+        return found
+
+    def plan(self, binding: Mixed, members: Members, rows: Rows) -> list[Group]:
+        """The groups of rows of ``binding``'s layer in this step (cached per layer for the step)."""
+        nested = binding.has_aware_children()
+        without_kernel = binding.kernel is None and not binding.variants
+        key = (binding.layer_name, nested, without_kernel, members.slots)
+        found = self._plans.get(key)
+        if found is not None:
+            return found
+        name = binding.layer_name
+        keyed: dict[Any, list[int]] = {}
+        for slot in members.slots:
+            policy = self.policies[slot]
+            entry = policy.entry_for(name)
+            # A layer with policy-aware layers inside runs once per policy (they may differ there); without a
+            # kernel, prefer, disable and verify all run the original, whatever their options.
+            path: Any = policy if nested else (entry, policy.options)
+            if without_kernel and entry != "require" and not nested:
+                path = "original"
+            keyed.setdefault(path, []).append(slot)
+        groups = []
+        positions = torch.arange(len(self.host_rows))
+        host = torch.tensor(self.host_rows, dtype=torch.long)
+        for slots in keyed.values():
+            chosen = torch.zeros(len(self.policies), dtype=torch.bool)
+            chosen[slots] = True
+            host_mask = chosen[host]
+            recorders = tuple(dict.fromkeys(r for slot in slots for r in self.recorders.get(slot, ())))
+            policy = self.policies[slots[0]]
+            # A group runs on its own rows where the join splits, and where running on others' rows would cost
+            # or count what is its own: verify runs the original too, fallback_on counts failures.
+            own = rows.join == "split" or (
+                rows.by == "token"
+                and (bool(policy.fallback_on) or (policy.mode_for(name) == "verify" and not without_kernel))
+            )
+            own_rows = positions[host_mask].to(self.device)
+            index = own_rows if own else None
+            scope = _recording_scope(policy, recording=bool(recorders), recorders=recorders)
+            attempt = None
+            if not own and rows.by == "token":
+                held = Held()
+                attempt = (_recording_scope(policy, recording=bool(recorders), recorders=(held,)), held)
+            policies = tuple(self.policies[s] for s in slots)
+            groups.append(Group(scope, policies, host_mask.to(self.device), index, own_rows, recorders, attempt))
+        self._plans[key] = groups
+        return groups
+
+
+@final
+class Members:
+    """What a mixed step's table carries (``Active.mix``): the policies served together and where their rows are."""
+
+    __slots__ = ("_entries", "entry_slots", "kernel_slots", "policies", "slots", "step")
+
+    def __init__(self, step: Step, slots: tuple[int, ...]) -> None:
+        self.step = step
+        self.slots = slots
+        self.policies = tuple(step.policies[slot] for slot in slots)
+        #: Per layer name, whether each slot's policy has the kernel on (what a compiled program selects by): made
+        #: for every known layer at once, since a program is guarded on which names the dict holds.
+        self.kernel_slots: dict[str, torch.Tensor] = {}
+        #: Per layer name, each slot's entry index (what a compiled program selects by), made likewise.
+        self.entry_slots: dict[str, torch.Tensor] = {}
+        self._entries: dict[str, tuple[str, ...]] = {}
+        for name in known_layers():
+            self.kernel_on(name)
+            self.entry_index(name)
+
+    def entries(self, name: str) -> tuple[str, ...]:
+        """The distinct entries the policies give layer ``name``, sorted (what a compiled mixed call computes)."""
+        found = self._entries.get(name)
+        if found is None:
+            found = self._entries[name] = tuple(sorted({policy.entry_for(name) for policy in self.policies}))
+        return found
+
+    def entry_index(self, name: str) -> torch.Tensor:
+        """Per slot, the index of its policy's entry for layer ``name`` in :meth:`entries` (0 for other slots)."""
+        found = self.entry_slots.get(name)
+        if found is None:
+            entries = self.entries(name)
+            index = [0] * self.step.capacity
+            for slot, policy in zip(self.slots, self.policies, strict=True):
+                index[slot] = entries.index(policy.entry_for(name))
+            found = self.entry_slots[name] = torch.tensor(index, dtype=torch.long, device=self.step.device)
+        return found
+
+    def kernel_on(self, name: str) -> torch.Tensor:
+        found = self.kernel_slots.get(name)
+        if found is None:
+            on = [False] * self.step.capacity
+            for slot, policy in zip(self.slots, self.policies, strict=True):
+                on[slot] = policy.mode_for(name) != "disable"
+            found = self.kernel_slots[name] = torch.tensor(on, dtype=torch.bool, device=self.step.device)
+        return found
