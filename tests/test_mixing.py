@@ -128,8 +128,10 @@ def test_each_row_takes_its_own_policys_path_also_inside(
     torch.testing.assert_close(mixed(model, x, owners), expected)
 
 
-def test_record_calls_count_each_group_on_its_path(model: Any) -> None:
+def test_record_calls_count_each_group_on_its_path(model: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """Recorders given per slot count the call of their rows' group, on its path."""
+    for name in ("MixOuter", "MixInner"):
+        monkeypatch.setitem(_mixing.ROWS, name, _mixing.Rows("token"))
     step = _mixing.Step(torch.device("cpu"))
     for policy in POLICIES:
         step.slot(policy)
@@ -333,8 +335,9 @@ def test_the_join_gives_every_row_its_own_policys_output(
         torch.testing.assert_close(given_x.narrow(axis, row, 1), alone_inputs[row])
 
 
-def test_a_call_whose_rows_cannot_be_told_apart_is_not_joined(shaped: Any) -> None:
+def test_a_call_whose_rows_cannot_be_told_apart_is_not_joined(shaped: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """Four rows and an axis of four: no row is joined, the caller's tensor is untouched, UnsplittableCall says so."""
+    monkeypatch.setitem(_mixing.ROWS, "MixShaped", _mixing.Rows("token"))
     shaped.wrap, shaped.rows_axis = WRAPS["tensor"], 0
     step = _mixing.Step(torch.device("cpu"))
     for policy in ("prefer", "disable"):
@@ -459,3 +462,23 @@ def test_compiled_mixed_calls_take_each_rows_variant_and_fail_require_rows_only(
         compiled(x)
     assert raised.value.policies == (required,)
     assert isinstance(raised.value.error, kp.KernelUnavailableError)
+
+
+def test_a_layer_whose_rows_go_by_request_never_runs_a_kernel_on_another_policys_rows(shaped: Any) -> None:
+    """Attention-like layers: a call whose groups differ raises UnsplittableCall before anything runs (the batching
+    seam runs the step a policy at a time, and its scheduler keeps such policies in steps of their own), so no
+    kernel meets another policy's rows; ``kept_apart`` says so for the scheduler."""
+    step = _mixing.Step(torch.device("cpu"))
+    for policy in ("prefer", "disable"):
+        step.slot(kp.Policy.parse(policy))
+    step.begin(torch.tensor([0, 1, 0]), [0, 1, 0], {})
+    shaped.wrap, shaped.rows_axis = WRAPS["tensor"], 0
+    x = torch.randn(3, 5)
+    before = x.clone()
+    with (
+        _mixing.mixed_scope(step.table((0, 1), False), ()),
+        pytest.raises(_mixing.UnsplittableCall, match="by request"),
+    ):
+        shaped(x)  # MixShaped is declared by nothing here: rows by request
+    assert torch.equal(x, before)
+    assert _mixing.kept_apart("MixShaped") and _mixing.kept_apart("attention") and not _mixing.kept_apart("RMSNorm")

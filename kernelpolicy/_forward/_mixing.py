@@ -57,6 +57,7 @@ __all__ = [
     "Step",
     "UnsplittableCall",
     "declare_rows",
+    "kept_apart",
     "mixable",
     "mixed_scope",
     "row_axis",
@@ -88,8 +89,7 @@ ROWS: dict[str, Rows] = {
         )
     },
     **{name: Rows("token", join="split") for name in ("MLP", "LlamaMLP", "MegaBlocksMoeMLP", "SoftmaxTopKRouter")},
-    # transformers' attention functions return (batch, tokens, heads, head_dim): the rows are axis -3.
-    "attention": Rows("request", dim=-3),
+    "attention": Rows("request"),
 }
 _LOCK = threading.Lock()
 
@@ -98,10 +98,10 @@ def declare_rows(layer_name: str, by: Kind, *, dim: int = -2, join: Join = "sele
     """Declare how the rows of kernel layer ``layer_name`` may follow different policies in one call.
 
     ``by="token"``: each output row depends on its own input row only (a norm, an activation, an MLP).
-    ``by="request"``: on the rows of its own request (attention over a request's tokens). ``dim`` is the row
-    axis of the layer's tensor arguments and outputs, from the end; ``join`` how eager calls join the paths
-    (``"select"``: both paths on every row, then ``torch.where``; ``"split"``: each path on its own rows).
-    A layer declared by neither keeps its steps grouped by policy in continuous batching.
+    ``by="request"``: on the rows of its own request (attention over a request's tokens): such a layer, like one
+    declared by neither, keeps the policies whose paths differ on it in steps of their own. ``join`` is how eager
+    calls join the paths (``"select"``: each path on every row, on clones; ``"split"``: each on its own rows).
+    Where the rows are is found from each call (``_row_join``); ``dim`` is checked and no longer read.
 
     >>> from kernelpolicy.batching import declare_rows
     >>> declare_rows("MyNorm", by="token")
@@ -131,13 +131,21 @@ def mixable(policies: tuple[Policy, ...], layers: frozenset[str] | None = None, 
     in ``grouped``: layers found unsplittable, kept apart as if undeclared)."""
     names = known_layers() if layers is None else layers
     for name in names:
-        if name in ROWS and name not in grouped:
+        if not kept_apart(name, grouped):
             continue
         first = policies[0]
         facts = (first.entry_for(name), first.options)
         if any((policy.entry_for(name), policy.options) != facts for policy in policies[1:]):
             return False
     return True
+
+
+def kept_apart(name: str, grouped: Collection[str] = ()) -> bool:
+    """Whether rows of policies whose paths differ on layer ``name`` never share a call of it: an undeclared layer, a
+    layer whose rows go by request (its kernel would see other requests' rows: their inputs could make it fail, fall
+    back or trip for them), or one found unsplittable (in ``grouped``)."""
+    declared = ROWS.get(name)
+    return declared is None or declared.by == "request" or name in grouped
 
 
 class MixedCallError(Exception):
@@ -182,6 +190,8 @@ def _run_eager(binding: Mixed, members: Members, args: tuple[Any, ...], kwargs: 
     rows = ROWS.get(binding.layer_name, Rows("request"))  # an undeclared layer is grouped by the scheduler
     step, name = members.step, binding.layer_name
     groups = step.plan(binding, members, rows)
+    if len(groups) > 1 and rows.by == "request":  # kept apart (see kept_apart): this step runs a policy at a time
+        raise UnsplittableCall(name, "its rows go by request: each policy's requests run in a step of their own", None)
     if len(groups) == 1:  # the policies differ on the layer, not on its path here (no kernel bound, say)
         try:
             with groups[0].scope:
@@ -233,6 +243,8 @@ def _run_compiled(binding: Mixed, members: Members, args: tuple[Any, ...], kwarg
             return _UNTRACED[0](binding, members, args, kwargs)
         functions.append(function)
     distinct = list(dict.fromkeys(functions))
+    if len(distinct) > 1 and kept_apart(name):
+        return _UNTRACED[0](binding, members, args, kwargs)  # the eager call says so: the step runs apart
     if len(distinct) == 1:
         function = distinct[0]
         return (binding.original if function is None else function)(binding.module, *args, **kwargs)

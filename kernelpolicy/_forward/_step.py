@@ -59,10 +59,10 @@ class Mixed(Protocol):
 
 
 class Rows(NamedTuple):
-    """How a kernel layer's rows may be mixed: ``by`` (token or request), the row axis of its tensors, the join."""
+    """How a kernel layer's rows may be mixed: ``by`` (token or request) and the join of eager calls."""
 
     by: Kind
-    #: The axis of the rows (tokens) in the layer's tensor arguments and outputs, counted from the end.
+    #: Declared before rows were found from each call (``_row_join``): kept for those declarations, not read.
     dim: int = -2
     #: How eager calls join the paths; compiled programs always select (static shapes).
     join: Join = "select"

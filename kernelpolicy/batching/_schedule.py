@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 from typing import TYPE_CHECKING, Any
 
-from .._forward._mixing import ROWS, mixable
+from .._forward._mixing import kept_apart, mixable
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -67,11 +67,10 @@ def schedule_every_policy(scheduler: Any, requests: Requests) -> None:
 
 
 def _classes(policies: tuple[Policy, ...], layers: frozenset[str], grouped: set[str]) -> list[frozenset[Policy]]:
-    """``policies`` in classes that may share a step: the same entries and options on every undeclared layer (and
-    every layer found unsplittable)."""
+    """``policies`` in classes that may share a step: the same entries and options on every layer kept apart."""
     if len(policies) <= 1 or mixable(policies, layers, grouped):
         return [frozenset(policies)]
-    undeclared = sorted((layers - set(ROWS)) | (layers & grouped))
+    undeclared = sorted(name for name in layers if kept_apart(name, grouped))
     keyed: dict[tuple[Any, ...], list[Policy]] = {}
     for policy in policies:
         keyed.setdefault(tuple((policy.entry_for(n), policy.options) for n in undeclared), []).append(policy)
