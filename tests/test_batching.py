@@ -207,13 +207,28 @@ def test_one_step_serves_every_policy(model: Any, config: Any) -> None:
     assert requests.by_id == {}  # finished requests are forgotten
 
 
-def test_an_undeclared_layer_groups_the_steps_fairly(manager: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """RMSNorm declared by nothing: steps where its paths differ serve one policy each, the two taking turns."""
+def test_an_undeclared_layer_groups_the_steps_fairly(model: Any, config: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """RMSNorm declared by nothing: steps where its paths differ serve one policy each, the two taking turns (the
+    requests queued before the manager starts, so that a busy machine cannot run one policy's first steps before
+    the other's requests arrive)."""
     monkeypatch.delitem(_mixing.ROWS, "RMSNorm")
+    manager = model.init_continuous_batching(generation_config=config, continuous_batching_config=batching_config())
     requests = getattr(manager, batching._MARK)
     before = len(requests.history)
     submissions = [((PREFER, OFF)[i % 2], prompt) for i, prompt in enumerate(prompts(8, seed=5))]
-    outputs = run(manager, submissions)
+    for policy, prompt in submissions:
+        with kp.kernel_policy(policy):
+            manager.add_request(prompt, max_new_tokens=NEW)
+    manager.start()
+    try:
+        outputs = []
+        while len(outputs) < len(submissions):
+            result = manager.get_result(timeout=30)
+            assert result is not None
+            if result.is_finished():
+                outputs.append(result)
+    finally:
+        manager.stop(block=True, timeout=30)
     assert all(output.error is None for output in outputs)
     steps = list(requests.history)[before:]
     assert set(steps) == {(PREFER,), (OFF,)}
