@@ -29,8 +29,10 @@ serve``), a free port and the wait for its ``/health`` (:func:`wait_for_health`)
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import datetime
+import hashlib
 import json
 import socket
 import sys
@@ -154,6 +156,9 @@ def write_kernel_repo(
     ident = f"_{name.replace('-', '_')}_{uuid.uuid4().hex[:12]}"
     build = root / "build" / VARIANT
     build.mkdir(parents=True, exist_ok=True)
+    exported = f"from .layers import {', '.join(exports)}\n" if exports else ""
+    (build / "__init__.py").write_text("from . import layers\n" + exported)
+    (build / "layers.py").write_text(textwrap.dedent(layers_source).lstrip())
     metadata = {
         "id": ident,
         "name": name,
@@ -161,12 +166,25 @@ def write_kernel_repo(
         "license": "Apache-2.0",
         "python-depends": [],
         "backend": {"type": "cpu"},
+        "digest": _digest(build),
     }
     (build / "metadata.json").write_text(json.dumps(metadata, indent=2) + "\n")
-    exported = f"from .layers import {', '.join(exports)}\n" if exports else ""
-    (build / "__init__.py").write_text("from . import layers\n" + exported)
-    (build / "layers.py").write_text(textwrap.dedent(layers_source).lstrip())
     return root
+
+
+def _digest(variant: Path) -> dict[str, Any]:
+    """The ``digest`` entry of a variant's ``metadata.json``, as kernels' builder writes it: each file's SHA-256
+    (base64) by its path in the variant, less the metadata, its signature and bytecode. kernels from 0.18 checks
+    it at every load of a variant and warns where there is none (the demo's first screen showed that warning)."""
+    files = {
+        path.relative_to(variant).as_posix(): base64.b64encode(hashlib.sha256(path.read_bytes()).digest()).decode()
+        for path in sorted(variant.rglob("*"))
+        if path.is_file()
+        and path.relative_to(variant).as_posix() not in ("metadata.json", "metadata.json.sigstore")
+        and "__pycache__" not in path.relative_to(variant).parts
+        and path.suffix != ".pyc"
+    }
+    return {"algorithm": "sha256", "files": files}
 
 
 def rms_norm_kernel_source(
