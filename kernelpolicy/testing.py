@@ -157,34 +157,17 @@ def write_kernel_repo(
     build = root / "build" / VARIANT
     build.mkdir(parents=True, exist_ok=True)
     exported = f"from .layers import {', '.join(exports)}\n" if exports else ""
-    (build / "__init__.py").write_text("from . import layers\n" + exported)
-    (build / "layers.py").write_text(textwrap.dedent(layers_source).lstrip())
-    metadata = {
-        "id": ident,
-        "name": name,
-        "version": 1,
-        "license": "Apache-2.0",
-        "python-depends": [],
-        "backend": {"type": "cpu"},
-        "digest": _digest(build),
-    }
+    files = {"__init__.py": "from . import layers\n" + exported, "layers.py": textwrap.dedent(layers_source).lstrip()}
+    encoded = {file: text.encode() for file, text in files.items()}
+    for file, data in encoded.items():
+        (build / file).write_bytes(data)
+    # Each file's SHA-256 (base64), as kernels' builder records it; kernels checks it at each load from 0.18 on, and
+    # warns where the metadata records none (the demo's first screen showed that warning, issue 46).
+    digest = {file: base64.b64encode(hashlib.sha256(data).digest()).decode() for file, data in encoded.items()}
+    metadata = {"id": ident, "name": name, "version": 1, "license": "Apache-2.0", "python-depends": []}
+    metadata |= {"backend": {"type": "cpu"}, "digest": {"algorithm": "sha256", "files": digest}}
     (build / "metadata.json").write_text(json.dumps(metadata, indent=2) + "\n")
     return root
-
-
-def _digest(variant: Path) -> dict[str, Any]:
-    """The ``digest`` entry of a variant's ``metadata.json``, as kernels' builder writes it: each file's SHA-256
-    (base64) by its path in the variant, less the metadata, its signature and bytecode. kernels from 0.18 checks
-    it at every load of a variant and warns where there is none (the demo's first screen showed that warning)."""
-    files = {
-        path.relative_to(variant).as_posix(): base64.b64encode(hashlib.sha256(path.read_bytes()).digest()).decode()
-        for path in sorted(variant.rglob("*"))
-        if path.is_file()
-        and path.relative_to(variant).as_posix() not in ("metadata.json", "metadata.json.sigstore")
-        and "__pycache__" not in path.relative_to(variant).parts
-        and path.suffix != ".pyc"
-    }
-    return {"algorithm": "sha256", "files": files}
 
 
 def rms_norm_kernel_source(
