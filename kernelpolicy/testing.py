@@ -29,8 +29,10 @@ serve``), a free port and the wait for its ``/health`` (:func:`wait_for_health`)
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import datetime
+import hashlib
 import json
 import socket
 import sys
@@ -154,18 +156,17 @@ def write_kernel_repo(
     ident = f"_{name.replace('-', '_')}_{uuid.uuid4().hex[:12]}"
     build = root / "build" / VARIANT
     build.mkdir(parents=True, exist_ok=True)
-    metadata = {
-        "id": ident,
-        "name": name,
-        "version": 1,
-        "license": "Apache-2.0",
-        "python-depends": [],
-        "backend": {"type": "cpu"},
-    }
-    (build / "metadata.json").write_text(json.dumps(metadata, indent=2) + "\n")
     exported = f"from .layers import {', '.join(exports)}\n" if exports else ""
-    (build / "__init__.py").write_text("from . import layers\n" + exported)
-    (build / "layers.py").write_text(textwrap.dedent(layers_source).lstrip())
+    files = {"__init__.py": "from . import layers\n" + exported, "layers.py": textwrap.dedent(layers_source).lstrip()}
+    encoded = {file: text.encode() for file, text in files.items()}
+    for file, data in encoded.items():
+        (build / file).write_bytes(data)
+    # Each file's SHA-256 (base64), as kernels' builder records it; kernels checks it at each load from 0.18 on, and
+    # warns where the metadata records none (the demo's first screen showed that warning, issue 46).
+    digest = {file: base64.b64encode(hashlib.sha256(data).digest()).decode() for file, data in encoded.items()}
+    metadata = {"id": ident, "name": name, "version": 1, "license": "Apache-2.0", "python-depends": []}
+    metadata |= {"backend": {"type": "cpu"}, "digest": {"algorithm": "sha256", "files": digest}}
+    (build / "metadata.json").write_text(json.dumps(metadata, indent=2) + "\n")
     return root
 
 

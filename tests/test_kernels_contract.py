@@ -1227,3 +1227,22 @@ def test_compile_fullgraph_runs_a_traceable_function_kernel(kit: Kit, x: torch.T
     with torch.no_grad():
         close(compiled(x), func_net_out(model, x, norm_offset=1.0, func_offset=10.0))
         close(model(x), func_net_out(model, x, norm_offset=1.0, func_offset=10.0))
+
+
+def test_a_local_repository_records_the_digest_kernels_checks(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """write_kernel_repo's metadata holds the digest of its files as kernels computes it, still true with the
+    bytecode a load writes (left out of it); kernels from 0.18, which checks it at every load, loads it
+    without its warning that the metadata records none (the demo's first screen showed that warning)."""
+    from kernelpolicy.testing import VARIANT, DemoModel, kernelize_locally
+
+    repo = write_kernel_repo(tmp_path / "repo", rms_norm_kernel_source(offset=1.0), exports=("RMSNorm",))
+    with caplog.at_level("WARNING"):
+        model = kernelize_locally(DemoModel(HIDDEN).eval(), {LAYER: repo})
+        model(torch.ones(1, HIDDEN))
+    assert not [record.message for record in caplog.records if "digest" in record.getMessage()]
+    variant = repo / "build" / VARIANT
+    (variant / "__pycache__").mkdir(exist_ok=True)  # the bytecode a load writes (where writing it is not off)
+    (variant / "__pycache__" / "layers.cpython-311.pyc").write_bytes(b"bytecode")
+    digest = kernels.Metadata.read_from_file(variant / "metadata.json").digest
+    assert digest is not None and sorted(digest.files) == ["__init__.py", "layers.py"]
+    digest.validate(type(digest).hash_variant(digest.algorithm, variant))  # raises on any difference

@@ -493,17 +493,19 @@ def test_load_concurrent_streams_in_two_policies_get_their_solo_tokens(
 @pytest.mark.slow
 @needs_serve
 def test_allowing_the_default_again_names_it_once_in_the_403_and_the_start_up_line(
-    model_and_kernel: tuple[Any, Any, Any, Any],
+    model_and_kernel: tuple[Any, Any, Any, Any], tmp_path: Any
 ) -> None:
     """``--allow-policy prefer`` on a server whose default is ``prefer``: the 403 and the line the server prints when
-    it starts name ``'prefer'`` once (was: twice)."""
+    it starts name ``'prefer'`` once (was: twice). Then SIGTERM stops it (:func:`_stop`: exit status -SIGTERM)."""
     root, folder, repo, reference = model_and_kernel
-    with _server(root, folder, repo, "--allow-policy", "prefer") as url:
+    temp, env = _stopping_env(tmp_path)
+    with _started(root, folder, repo, "--allow-policy", "prefer", env=env) as (server, url):
         status, body = chat(url, str(folder), PROMPTS[1], "verify")
         assert status == 403 and body["error"]["message"] == REFUSED_VERIFY, body
         status, body = chat(url, str(folder), PROMPTS[1], "prefer")
         assert status == 200 and ids(body["choices"][0]["message"]["content"]) == solo(reference, "prefer", PROMPTS[1])
         log = (root / f"server-{url.rpartition(':')[2]}.log").read_text()
+        _stop(server, temp, signal.SIGTERM, -signal.SIGTERM)
     assert f"kernelpolicy serve: {REFUSED_VERIFY.partition('; ')[2]}\n" in log, log[:2000]
 
 
@@ -677,9 +679,7 @@ def test_no_metrics_serves_without_counting(model_and_kernel: tuple[Any, Any, An
     import httpx
 
     root, folder, repo, reference = model_and_kernel
-    temp = tmp_path / "temp"
-    temp.mkdir()
-    env = {"TMPDIR": str(temp), "PROMETHEUS_MULTIPROC_DIR": "", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    temp, env = _stopping_env(tmp_path)
     with _server(root, folder, repo, "--no-metrics", env=env) as url:
         for policy in (None, "RMSNorm=disable"):
             status, body = chat(url, str(folder), PROMPTS[1], policy)
@@ -749,20 +749,23 @@ def test_metrics_count_the_fallbacks_and_the_trip_of_a_kernel_that_raises_on_the
 @pytest.mark.slow
 @needs_serve
 def test_the_canary_verifies_sampled_requests_and_the_client_gets_the_kernels_answer(
-    model_and_kernel: tuple[Any, Any, Any, Any],
+    model_and_kernel: tuple[Any, Any, Any, Any], tmp_path: Any
 ) -> None:
     """``--verify-sample 1``: every request that would run a kernel runs as verify; the kernel (adds 0.5) mismatches,
-    which is logged and counted, and the client gets the kernel's tokens. ``disable`` requests are not sampled."""
+    which is logged and counted, and the client gets the kernel's tokens. ``disable`` requests are not sampled. Then
+    SIGINT stops it (:func:`_stop`)."""
     import httpx
 
     root, folder, repo, reference = model_and_kernel
-    with _server(root, folder, repo, "--verify-sample", "1") as url:
+    temp, env = _stopping_env(tmp_path)
+    with _started(root, folder, repo, "--verify-sample", "1", env=env) as (server, url):
         for policy in (None, "disable"):
             status, body = chat(url, str(folder), PROMPTS[0], policy)
             assert status == 200 and ids(body["choices"][0]["message"]["content"]) == solo(
                 reference, policy or "prefer", PROMPTS[0]
             )
         samples = _samples(httpx.get(f"{url}/metrics", timeout=30).text)
+        _stop(server, temp, signal.SIGINT, None)
     assert samples[("kernelpolicy_canary_requests_total", (("policy", "prefer"),))] == 1
     assert ("kernelpolicy_canary_requests_total", (("policy", "disable"),)) not in samples
     calls = samples[("kernelpolicy_verify_calls_total", (("layer", "RMSNorm"),))]
@@ -849,21 +852,24 @@ def test_a_kernel_that_raises_fails_its_request_and_the_server_keeps_serving(
 @pytest.mark.slow
 @needs_serve
 def test_a_request_the_canary_fails_gets_a_json_500_and_the_connection_serves_the_next(
-    model_and_kernel: tuple[Any, Any, Any, Any],
+    model_and_kernel: tuple[Any, Any, Any, Any], tmp_path: Any
 ) -> None:
     """``--verify-sample 1 --verify-fail``, not streaming: the mismatch fails the request with an error in OpenAI's
     shape (was: a bare text/plain "Internal Server Error", "Exception in ASGI application" logged, the keep-alive
-    connection reset); the next request on the same connection gets its answer."""
+    connection reset); the next request on the same connection gets its answer. Then SIGHUP stops it
+    (:func:`_stop`: exit status -SIGHUP)."""
     root, folder, repo, reference = model_and_kernel
     model = str(folder)
+    temp, env = _stopping_env(tmp_path)
 
     def body(prompt: list[int]) -> dict[str, Any]:
         messages = [{"role": "user", "content": words(prompt)}]
         return {"model": model, "messages": messages, "max_tokens": TOKENS, "temperature": 0}
 
-    with _server(root, folder, repo, "--verify-sample", "1", "--verify-fail") as url:
+    with _started(root, folder, repo, "--verify-sample", "1", "--verify-fail", env=env) as (server, url):
         failed, served = _on_one_connection(url, (body(PROMPTS[0]), {}), (body(PROMPTS[1]), {HEADER: "disable"}))
         log = root / f"server-{url.rpartition(':')[2]}.log"
+        _stop(server, temp, signal.SIGHUP, -signal.SIGHUP)
     status, kind, error = failed
     assert (status, kind) == (500, "application/json"), failed
     assert set(error) == {"error"} and error["error"]["type"] == "server_error", error
@@ -875,43 +881,33 @@ def test_a_request_the_canary_fails_gets_a_json_500_and_the_connection_serves_th
     assert "Exception in ASGI application" not in log.read_text()
 
 
-@pytest.mark.slow
-@needs_serve
-@pytest.mark.parametrize(
-    ("stop", "servers", "status"),
-    [
-        (signal.SIGTERM, "1", -signal.SIGTERM),
-        (signal.SIGINT, "1", None),
-        (signal.SIGHUP, "1", -signal.SIGHUP),
-        (signal.SIGTERM, "2", 0),  # several API servers: transformers' supervisor exits with 0 on SIGTERM
-    ],
-    ids=["term", "int", "hup", "term-2"],
-)
-def test_stopping_the_command_leaves_no_metrics_folder_and_no_process(
-    model_and_kernel: tuple[Any, Any, Any, Any], tmp_path: Any, stop: signal.Signals, servers: str, status: int | None
-) -> None:
-    """A signal to the command's own process (SIGTERM: what Docker and Kubernetes send; SIGINT: Ctrl+C; SIGHUP: its
-    terminal closed), with one API server or two: the command stops the processes it spawned and removes the metrics
-    folder it made in the temp directory (was: SIGTERM and SIGHUP left a ``kernelpolicy-metrics-*`` folder behind,
-    one per start); its exit status is the one the signal gave before."""
-    root, folder, repo, _ = model_and_kernel
+def _stopping_env(tmp_path: Any) -> tuple[Any, dict[str, str]]:
+    """A temp directory of its own for the server, in which the command makes its metrics folder (none given), and
+    the server's environment (torch's cache goes elsewhere), for :func:`_stop`."""
     temp = tmp_path / "temp"
     temp.mkdir()
-    # the command makes the metrics folder (none given); torch's cache goes elsewhere
     env = {"TMPDIR": str(temp), "PROMETHEUS_MULTIPROC_DIR": "", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
-    with _started(root, folder, repo, "--api-server-count", servers, env=env) as (server, url):
-        assert chat(url, str(folder), PROMPTS[0], "disable")[0] == 200
-        made = [path.name for path in temp.iterdir()]
-        assert len(made) == 1 and made[0].startswith("kernelpolicy-metrics-"), made
-        assert any((temp / made[0]).iterdir())  # the counts of the request, in files
-        server.send_signal(stop)  # to the command's process only, as a process manager sends it
-        code = server.wait(120)
-        deadline = time.monotonic() + 30  # the processes it spawned (the model's, the API servers) exit with it
-        while _alive(server.pid) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not _alive(server.pid), "a process the command spawned outlived it"
+    return temp, env
+
+
+def _stop(server: subprocess.Popen[bytes], temp: Any, stop: signal.Signals, status: int | None) -> None:
+    """Stopping the command leaves no metrics folder and no process: a signal to the command's own process (SIGTERM:
+    what Docker and Kubernetes send; SIGINT: Ctrl+C; SIGHUP: its terminal closed), with one API server or two, makes
+    it stop the processes it spawned and remove the metrics folder it made in the temp directory (was: SIGTERM and
+    SIGHUP left a ``kernelpolicy-metrics-*`` folder behind, one per start); its exit status is the one the signal gave
+    before (``status``; None: not checked). Each case ends the life of a server another test started with
+    :func:`_stopping_env` (SIGTERM, SIGINT, SIGHUP with one API server, SIGTERM with two), not a start of its own."""
+    made = [path.name for path in temp.iterdir()]
+    assert len(made) == 1 and made[0].startswith("kernelpolicy-metrics-"), made
+    assert any((temp / made[0]).iterdir())  # the counts of the requests, in files
+    server.send_signal(stop)  # to the command's process only, as a process manager sends it
+    code = server.wait(120)
+    deadline = time.monotonic() + 30  # the processes it spawned (the model's, the API servers) exit with it
+    while _alive(server.pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _alive(server.pid), "a process the command spawned outlived it"
     assert list(temp.iterdir()) == []
-    assert status is None or code == status
+    assert status is None or code == status, (stop, code)
 
 
 def _alive(group: int) -> bool:
@@ -958,18 +954,21 @@ def test_two_api_servers_each_read_the_header_and_the_metrics_count_both(
 ) -> None:
     """``--api-server-count 2``: concurrent requests in two policies, spread by the kernel over the two API server
     processes (one socket), each get their prompt's solo tokens under their policy; a refused policy gets its 403
-    from both; ``/metrics``, answered by either, counts the requests of both (the sum of every process's files)."""
+    from both; ``/metrics``, answered by either, counts the requests of both (the sum of every process's files, in
+    the metrics folder the command made). Then SIGTERM stops it (:func:`_stop`: transformers' supervisor exits with
+    0 on SIGTERM)."""
     import httpx
 
     if _compat.first_present(_compat.SERVING_API) is None:
         pytest.skip("this transformers serve has not the API servers' entry point of 5.25")
     root, folder, repo, reference = model_and_kernel
-    model, counts = str(folder), tmp_path / "metrics"
-    counts.mkdir()
+    model = str(folder)
+    temp, env = _stopping_env(tmp_path)
     jobs = [(prompt, policy) for prompt in PROMPTS for policy in ("prefer", "RMSNorm=disable")]
     expected = [solo(reference, policy, prompt) for prompt, policy in jobs]
     assert expected[0] != expected[1]  # the two policies take different paths
-    with _server(root, folder, repo, "--api-server-count", "2", env={"PROMETHEUS_MULTIPROC_DIR": str(counts)}) as url:
+    with _started(root, folder, repo, "--api-server-count", "2", env=env) as (server, url):
+        [counts] = temp.glob("kernelpolicy-metrics-*")
         sent = 0
         for _ in range(3):  # which process accepts a connection is the kernel's choice: until both served
             with ThreadPoolExecutor(len(jobs)) as pool:
@@ -990,9 +989,10 @@ def test_two_api_servers_each_read_the_header_and_the_metrics_count_both(
                 break
         with ThreadPoolExecutor(8) as pool:  # the scrapes land on either API server: each shows the sum
             scrapes = list(pool.map(lambda _: _samples(httpx.get(f"{url}/metrics", timeout=30).text), range(8)))
-    requests = _by_process(counts, "kernelpolicy_serve_requests_total")
-    errors = _by_process(counts, "kernelpolicy_serve_errors_total")
-    calls = _by_process(counts, "kernelpolicy_kernel_calls_total")
+        requests = _by_process(counts, "kernelpolicy_serve_requests_total")
+        errors = _by_process(counts, "kernelpolicy_serve_errors_total")
+        calls = _by_process(counts, "kernelpolicy_kernel_calls_total")
+        _stop(server, temp, signal.SIGTERM, 0)
     assert len(requests) == 2 and sum(requests.values()) == sent, requests  # two API servers counted requests
     assert set(errors) == set(requests) and sum(errors.values()) == refused, errors  # each refused some
     assert len(calls) == 1 and not set(calls) & set(requests), calls  # the model's process, a third
