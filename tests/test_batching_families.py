@@ -118,10 +118,12 @@ def solo(model: Any, config: Any, policy: kp.Policy, ids: list[int]) -> list[int
     return list(out[0, len(ids) :].tolist())
 
 
-def served(model: Any, config: Any, submissions: list[tuple[kp.Policy, list[int]]]) -> list[list[int]]:
+def served(model: Any, config: Any, submissions: list[tuple[kp.Policy, list[int]]], **options: Any) -> list[list[int]]:
     manager = model.init_continuous_batching(
         generation_config=config,
-        continuous_batching_config=ContinuousBatchingConfig(num_blocks=64, max_batch_tokens=256, page_size=4),
+        continuous_batching_config=ContinuousBatchingConfig(
+            num_blocks=64, max_batch_tokens=256, page_size=4, **options
+        ),
     )
     manager.start()
     try:
@@ -148,6 +150,29 @@ TRANSFORMERS_FAILS = {"deepseek_v3"}
 POLICIES = [kp.Policy.parse(text) for text in ("prefer", "RMSNorm=disable", "disable")]
 
 
+def _submissions(count: int) -> list[tuple[kp.Policy, list[int]]]:
+    generator = torch.Generator().manual_seed(1)
+    # Four requests: decode steps of 4 rows meet the 4 query heads of the per-head norms.
+    prompts = [torch.randint(2, 256, (int(n),), generator=generator).tolist() for n in (3, 5, 4, 11)]
+    return [(POLICIES[i % count], prompt) for i, prompt in enumerate(prompts)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3", "mixtral"])
+def test_compiled_mixed_steps_give_each_request_its_solo_tokens(family: str, repos: dict[str, Any]) -> None:
+    """The manager's steps compiled (TorchDynamo, backend eager; padded to static shapes): three policies mixed,
+    every request its solo tokens (a padded step whose rows meet a head or hidden size runs a policy at a time)."""
+    from transformers.generation.configuration_utils import CompileConfig
+
+    model = build(family, repos)
+    config = transformers.GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    submissions = _submissions(3)
+    expected = [solo(model, config, policy, prompt) for policy, prompt in submissions]
+    compiled = CompileConfig(backend="eager", fullgraph=False)
+    got = served(model, config, submissions, varlen_compile_config=compiled, decode_compile_config=compiled)
+    assert got == expected
+
+
 @pytest.mark.parametrize("count", [2, 3])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_mixed_steps_give_each_request_its_solo_tokens(family: str, count: int, repos: dict[str, Any]) -> None:
@@ -159,10 +184,7 @@ def test_mixed_steps_give_each_request_its_solo_tokens(family: str, count: int, 
         errors = {output.error for output in plain.values()} - {None}
         if errors:
             pytest.skip(f"transformers' continuous batching fails {family} with one policy: {errors.pop()[:120]}")
-    generator = torch.Generator().manual_seed(1)
-    # Four requests: decode steps of 4 rows meet the 4 query heads of the per-head norms.
-    prompts = [torch.randint(2, 256, (int(n),), generator=generator).tolist() for n in (3, 5, 4, 11)]
-    submissions = [(POLICIES[i % count], prompt) for i, prompt in enumerate(prompts)]
+    submissions = _submissions(count)
     expected = [solo(model, config, policy, prompt) for policy, prompt in submissions]
     assert len({tuple(tokens) for tokens in expected}) > 1 or family in ("gemma2", "gemma3")  # the paths differ
     assert served(model, config, submissions) == expected
