@@ -33,11 +33,13 @@ from torch.utils.benchmark import Compare, Measurement, Timer
 
 import kernelpolicy
 from kernelpolicy import batching
-from kernelpolicy._forward._mixing import JOINS, ROWS, Join
+from kernelpolicy._forward._mixing import JOINS, ROWS
 from kernelpolicy.testing import local_mapping, rms_norm_kernel_source, tiny_llama, write_kernel_repo
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
+
+    from kernelpolicy._forward._step import Join
 
 __all__ = ["main"]
 

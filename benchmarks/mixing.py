@@ -7,11 +7,14 @@ kernel is the same order as the original's). Each row of the table is one ``torc
 measurement (``blocked_autorange``), one CPU thread:
 
 - ``one path``: the layer once on every row (what a step of one policy costs);
-- ``select``: both paths on every row, then ``torch.where`` (``_mixing``'s select join: static shapes);
-- ``split``: each path on its own rows (``index_select``, then ``index_copy_`` back: the split join).
+- ``select``: both paths on every row, each on a clone of the input, then joined row by row (``_row_join``'s
+  select: static shapes);
+- ``split``: each path on its own rows (cut out, then put back: the split join).
 
-Printed: torch's ``Compare`` table, then each join's ratio to ``one path``, for a decode step (16 rows, one
-per request) and a prefill step (16 requests of 32 tokens). Read the ratios, not the times.
+Both joins are kernelpolicy's own (``_row_join.GroupInputs`` and ``joined``: the rows found from the call's shapes,
+what a path writes in place kept to its rows). Printed: torch's ``Compare`` table, then each join's ratio to
+``one path``, for a decode step (16 rows, one per request) and a prefill step (16 requests of 31 tokens: 496 rows,
+so that no axis of the hidden size 512 looks like the rows). Read the ratios, not the times.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.benchmark import Compare, Measurement, Timer
 
-from kernelpolicy._forward._mixing import _joined, _select, _taken
+from kernelpolicy._forward._row_join import GroupInputs, joined
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -33,14 +36,14 @@ __all__ = ["main"]
 HIDDEN, INTERMEDIATE, HEADS = 512, 1376, 8
 
 
-def _layers() -> dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], int]]:
-    """Each layer's forward on hidden states (1, rows, hidden), and the row axis of its output."""
+def _layers() -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    """Each layer's forward on hidden states (1, rows, hidden)."""
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
 
     config = LlamaConfig(hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_attention_heads=HEADS)
     norm, mlp = LlamaRMSNorm(HIDDEN).eval(), LlamaMLP(config).eval()  # type: ignore[no-untyped-call]
-    return {"norm": (norm, -2), "MLP": (mlp, -2)}
+    return {"norm": norm, "MLP": mlp}
 
 
 def _attention(lengths: list[int]) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -61,43 +64,45 @@ def _attention(lengths: list[int]) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 def _arms(
-    layer: Callable[[torch.Tensor], torch.Tensor], dim: int, hidden: torch.Tensor, mask: torch.Tensor
+    layer: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, mask: torch.Tensor
 ) -> dict[str, Callable[[], Any]]:
-    rows = hidden.shape[dim]
+    rows = hidden.shape[-2]
     kernel_rows, original_rows = mask.nonzero().squeeze(1), (~mask).nonzero().squeeze(1)
     groups = (kernel_rows, original_rows)
 
     def kernel(x: torch.Tensor) -> torch.Tensor:
         return layer(x) + 0.5
 
-    def split() -> Any:
-        parts = []
+    def join(every_row: bool) -> Any:
+        inputs = GroupInputs("bench", rows, (hidden,), {})
+        outputs = []
         for index, path in zip(groups, (kernel, layer), strict=True):
-            (taken,), _ = _taken((hidden,), {}, index, dim, rows)
-            parts.append((index, path(taken)))
-        return _joined(parts, dim, rows)
+            (taken,), _ = inputs.own(index, every_row)
+            outputs.append((index, path(taken)))
+        if every_row:
+            out = joined("bench", rows, [(mask, outputs[0][1]), (None, outputs[1][1])], [])
+        else:
+            out = joined("bench", rows, [], outputs)
+        inputs.write_back()
+        return out
 
-    return {
-        "one path": lambda: layer(hidden),
-        "select": lambda: _select(mask, kernel(hidden), layer(hidden), dim),
-        "split": split,
-    }
+    return {"one path": lambda: layer(hidden), "select": lambda: join(True), "split": lambda: join(False)}
 
 
 def main(min_run_time: float = 0.5) -> list[Measurement]:
     torch.set_num_threads(1)
     results: list[Measurement] = []
     ratios: dict[tuple[str, str, str], float] = {}
-    steps = {"decode": [1] * 16, "prefill": [32] * 16}
+    steps = {"decode": [1] * 16, "prefill": [31] * 16}
     with torch.no_grad():
         for step, lengths in steps.items():
             rows = sum(lengths)
             hidden = torch.randn(1, rows, HIDDEN, generator=torch.Generator().manual_seed(0))
             owner = torch.tensor([i % 2 == 0 for i, n in enumerate(lengths) for _ in range(n)])  # by request
-            layers = {**_layers(), "attention": (_attention(lengths), -2)}
-            for name, (layer, dim) in layers.items():
+            layers = {**_layers(), "attention": _attention(lengths)}
+            for name, layer in layers.items():
                 times: dict[str, float] = {}
-                for arm, run in _arms(layer, dim, hidden, owner).items():
+                for arm, run in _arms(layer, hidden, owner).items():
                     timer = Timer(
                         stmt="run()",
                         globals={"run": run},
