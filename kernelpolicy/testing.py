@@ -53,6 +53,7 @@ M = TypeVar("M", bound=nn.Module)
 
 __all__ = [
     "FLASH_ATTENTION_EXPORTS",
+    "TINY",
     "VARIANT",
     "DemoModel",
     "RMSNorm",
@@ -381,16 +382,14 @@ def tiny_llama(seed: int = 0, **fields: Any) -> Any:
     import transformers
 
     torch.manual_seed(seed)
-    defaults: dict[str, Any] = {
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "vocab_size": 256,
-    }
     model_class: Any = transformers.LlamaForCausalLM
-    return model_class(transformers.LlamaConfig(**(defaults | fields))).eval()
+    return model_class(transformers.LlamaConfig(**(TINY | fields))).eval()
+
+
+#: The sizes of :func:`tiny_llama` (tests build other families of transformers with them too).
+TINY: dict[str, int] = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+) | {"vocab_size": 256}
 
 
 def _mark(layer_name: str) -> Any:

@@ -183,14 +183,13 @@ def test_prefix_sharing_control_unsalted_blocks_leak_across_policies(
     assert second.generated_tokens != solo(model, config, OFF, prompt)
 
 
-def test_one_step_serves_every_policy(model: Any, config: Any) -> None:
-    """Eight requests in two policies queued before the manager starts: every step serves both."""
+def run_queued(model: Any, config: Any, submissions: list[tuple[kp.Policy, list[int]]]) -> tuple[list[Any], Any]:
+    """A new manager with every prompt queued under its policy before it starts: the outputs, and what the manager
+    kept of its requests (a busy machine cannot run one policy's first steps before the others' requests arrive)."""
     manager = model.init_continuous_batching(generation_config=config, continuous_batching_config=batching_config())
-    submissions = [((PREFER, OFF)[i % 2], prompt) for i, prompt in enumerate(prompts(8, seed=5))]
     for policy, prompt in submissions:
         with kp.kernel_policy(policy):
             manager.add_request(prompt, max_new_tokens=NEW)
-    requests = getattr(manager, batching._MARK)
     manager.start()
     try:
         outputs = []
@@ -201,6 +200,13 @@ def test_one_step_serves_every_policy(model: Any, config: Any) -> None:
                 outputs.append(result)
     finally:
         manager.stop(block=True, timeout=30)
+    return outputs, getattr(manager, batching._MARK)
+
+
+def test_one_step_serves_every_policy(model: Any, config: Any) -> None:
+    """Eight requests in two policies queued before the manager starts: every step serves both."""
+    submissions = [((PREFER, OFF)[i % 2], prompt) for i, prompt in enumerate(prompts(8, seed=5))]
+    outputs, requests = run_queued(model, config, submissions)
     assert all(output.error is None for output in outputs)
     steps = list(requests.history)
     assert steps and all(set(step) == {PREFER, OFF} for step in steps), steps
@@ -208,29 +214,12 @@ def test_one_step_serves_every_policy(model: Any, config: Any) -> None:
 
 
 def test_an_undeclared_layer_groups_the_steps_fairly(model: Any, config: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """RMSNorm declared by nothing: steps where its paths differ serve one policy each, the two taking turns (the
-    requests queued before the manager starts, so that a busy machine cannot run one policy's first steps before
-    the other's requests arrive)."""
+    """RMSNorm declared by nothing: steps where its paths differ serve one policy each, the two taking turns."""
     monkeypatch.delitem(_mixing.ROWS, "RMSNorm")
-    manager = model.init_continuous_batching(generation_config=config, continuous_batching_config=batching_config())
-    requests = getattr(manager, batching._MARK)
-    before = len(requests.history)
     submissions = [((PREFER, OFF)[i % 2], prompt) for i, prompt in enumerate(prompts(8, seed=5))]
-    for policy, prompt in submissions:
-        with kp.kernel_policy(policy):
-            manager.add_request(prompt, max_new_tokens=NEW)
-    manager.start()
-    try:
-        outputs = []
-        while len(outputs) < len(submissions):
-            result = manager.get_result(timeout=30)
-            assert result is not None
-            if result.is_finished():
-                outputs.append(result)
-    finally:
-        manager.stop(block=True, timeout=30)
+    outputs, requests = run_queued(model, config, submissions)
     assert all(output.error is None for output in outputs)
-    steps = list(requests.history)[before:]
+    steps = list(requests.history)
     assert set(steps) == {(PREFER,), (OFF,)}
     first_done = min(max(i for i, step in enumerate(steps) if step == (chosen,)) for chosen in (PREFER, OFF))
     longest = max(len(list(run)) for _, run in itertools.groupby(steps[: first_done + 1]))

@@ -16,24 +16,14 @@ import torch
 
 import kernelpolicy as kp
 from kernelpolicy import batching
-from kernelpolicy.testing import kernelize_locally, rms_norm_kernel_source, write_kernel_repo
+from kernelpolicy.testing import TINY, kernelize_locally, rms_norm_kernel_source, write_kernel_repo
 
 transformers = pytest.importorskip("transformers")
 if not all(kp._compat._compat.first_present(seam) for seam in kp._compat._compat.BATCHING):
     pytest.skip(f"transformers {transformers.__version__} has not the batching seams", allow_module_level=True)
 from transformers.generation.configuration_utils import ContinuousBatchingConfig  # noqa: E402
 
-BASE = {
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 256,
-    "pad_token_id": 0,
-    "eos_token_id": 1,
-    "bos_token_id": 1,
-}
+BASE: dict[str, Any] = TINY | {"pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 1}
 MOE = {"num_experts_per_tok": 2}
 #: family -> (config class, model class, fields replacing BASE's)
 FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
