@@ -482,3 +482,51 @@ def test_a_layer_whose_rows_go_by_request_never_runs_a_kernel_on_another_policys
         shaped(x)  # MixShaped is declared by nothing here: rows by request
     assert torch.equal(x, before)
     assert _mixing.kept_apart("MixShaped") and _mixing.kept_apart("attention") and not _mixing.kept_apart("RMSNorm")
+
+
+SOMETIMES_KERNEL = """
+import torch
+from torch import nn
+
+CALLS = [0]
+
+
+class MixSometimes(nn.Module):
+    can_torch_compile = True
+
+    def forward(self, x):
+        CALLS[0] += 1
+        return x.mul_(3) if CALLS[0] >= 2 else x * 3  # in place from its second call on
+"""
+
+
+@kp.use_kernel_forward_from_hub("MixSometimes")
+class Sometimes(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+
+def test_a_path_seen_not_to_write_its_inputs_shares_them_until_it_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A path seen not to write its inputs in place gets the caller's tensors, not clones; when it writes them after
+    all, the call raises UnsplittableCall (``again``: the batching seam runs the step a policy at a time), and that
+    path gets clones from then on, so the next call is right."""
+    monkeypatch.setitem(_mixing.ROWS, "MixSometimes", _mixing.Rows("token"))
+    layer = kernelize_locally(
+        Sometimes(), {"MixSometimes": write_kernel_repo(tmp_path / "sometimes", SOMETIMES_KERNEL)}
+    )
+    step = _mixing.Step(torch.device("cpu"))
+    for policy in ("prefer", "disable"):
+        step.slot(kp.Policy.parse(policy))
+    owners = [0, 1, 0]
+    step.begin(torch.tensor(owners), owners, {})
+    expected = torch.tensor([[3.0], [2.0], [3.0]])
+    with _mixing.mixed_scope(step.table((0, 1), False), ()):
+        torch.testing.assert_close(layer(torch.ones(3, 1)), expected)  # cloned: not known yet
+        with pytest.raises(_mixing.UnsplittableCall) as raised:
+            layer(torch.ones(3, 1))  # shared, and written this time
+        assert raised.value.again and raised.value.size is None
+        x = torch.ones(3, 1)
+        torch.testing.assert_close(layer(x), expected)  # cloned again
+        assert torch.equal(x, torch.tensor([[3.0], [1.0], [3.0]]))  # written on its own rows only, as alone

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from typing import TYPE_CHECKING, Any, Final
 
 import torch
@@ -45,6 +46,8 @@ from ._step import Group, Join, Kind, Members, Mixed, Rows, Step
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Collection, Iterator
+
+    from torch import nn
 
     from .._values._policy import Policy
 
@@ -265,6 +268,33 @@ def _run_compiled(binding: Mixed, members: Members, args: tuple[Any, ...], kwarg
 _UNTRACED: list[Callable[[Mixed, Members, tuple[Any, ...], dict[str, Any]], Any]] = []
 
 
+#: Per module, per path of a group (its entry and options, or its policy where the layer has policy-aware layers
+#: inside), whether that path was seen writing its inputs in place: paths seen not to share the caller's tensors
+#: instead of clones (checked after each call: one that writes after all runs its step again, cloned from then on).
+_WRITES: weakref.WeakKeyDictionary[nn.Module, dict[Any, bool]] = weakref.WeakKeyDictionary()
+
+
+def _path(binding: Mixed, group: Group) -> Any:
+    policy = group.policies[0]
+    return policy if binding.has_aware_children() else (policy.entry_for(binding.layer_name), policy.options)
+
+
+def _writes(binding: Mixed, group: Group) -> bool:
+    """Whether ``group``'s path gets clones of the caller's tensors: unless it was seen not to write them."""
+    return _WRITES.get(binding.module, {}).get(_path(binding, group), True)
+
+
+def _seen(binding: Mixed, group: Group, call: GroupInputs, mark: int) -> None:
+    """Remember whether ``group``'s path wrote its inputs; one given the caller's own that wrote: run apart."""
+    seen = _WRITES.setdefault(binding.module, {})
+    try:
+        call.wrote_shared(mark)
+    except UnsplittableCall:
+        seen[_path(binding, group)] = True
+        raise
+    seen[_path(binding, group)] = call.wrote(mark)
+
+
 def _joined_groups(name: str, count: int, groups: list[Group], ran: list[tuple[torch.Tensor | None, Any]]) -> Any:
     """The outputs of a mixed call's groups, joined per row (see :func:`_joined`)."""
     whole = [(group.mask, output) for group, (index, output) in zip(groups, ran, strict=True) if index is None]
@@ -283,12 +313,14 @@ def _run_group(binding: Mixed, group: Group, call: GroupInputs) -> tuple[torch.T
             held.calls.clear()
             mark = len(call.written)
             try:
-                args, kwargs = call.own(own_rows, True)
+                args, kwargs = call.own(own_rows, True, _writes(binding, group))
                 with scope:
                     output = binding.dispatcher(*args, **kwargs)
+                _seen(binding, group, call, mark)
             except UnsplittableCall:
                 raise
             except Exception:  # noqa: BLE001  # retried below on its own rows, where it stands or is raised
+                call.wrote_shared(mark)
                 call.discard(mark)
                 index = own_rows  # again on its own rows: the error is theirs, or none
             else:
@@ -298,8 +330,11 @@ def _run_group(binding: Mixed, group: Group, call: GroupInputs) -> tuple[torch.T
                 return None, output
         with group.scope:
             if index is None:
-                args, kwargs = call.own(own_rows, True)
-                return None, binding.dispatcher(*args, **kwargs)
+                mark = len(call.written)
+                args, kwargs = call.own(own_rows, True, _writes(binding, group))
+                output = binding.dispatcher(*args, **kwargs)
+                _seen(binding, group, call, mark)
+                return None, output
             args, kwargs = call.own(index, False)
             return index, binding.dispatcher(*args, **kwargs)
     except UnsplittableCall:

@@ -29,10 +29,12 @@ class UnsplittableCall(Exception):  # noqa: N818  # a signal to the batching sea
     row at all (an output without an axis of the step's rows that differs between the paths).
     """
 
-    def __init__(self, layer_name: str, reason: str, size: int | None) -> None:
+    def __init__(self, layer_name: str, reason: str, size: int | None, *, again: bool = False) -> None:
         super().__init__(f"kernel layer {layer_name!r}: the rows of a mixed call cannot be told apart: {reason}")
         self.layer_name = layer_name
         self.size = size
+        #: Nothing to remember of the call's shapes: this step runs one policy at a time, and later ones mix again.
+        self.again = again
 
 
 def row_axis(tensor: torch.Tensor, count: int, layer_name: str) -> int | None:
@@ -65,14 +67,18 @@ class GroupInputs:
         #: whether the copy holds every row).
         self.written: list[tuple[torch.Tensor, torch.Tensor, int, torch.Tensor, bool]] = []
 
-    def own(self, rows: torch.Tensor, every_row: bool) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """A group's arguments: each tensor with the step's rows cloned (``every_row``) or cut to ``rows``."""
+    def own(self, rows: torch.Tensor, every_row: bool, clone: bool = True) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """A group's arguments: each tensor with the step's rows cloned (``every_row``) or cut to ``rows``.
+
+        ``clone`` False (every row, a path seen not to write its inputs): the caller's tensors themselves, whose
+        versions :meth:`wrote_shared` checks after the group ran.
+        """
 
         def copy(tensor: torch.Tensor) -> torch.Tensor:
             if self.count not in tensor.shape:
                 return tensor  # no row of the step (a table, positions of another length): the same for each group
             if every_row:
-                made = tensor.clone()
+                made = tensor.clone() if clone else tensor
             else:
                 axis = row_axis(tensor, self.count, self.name)
                 made = tensor if axis is None else tensor.index_select(axis, rows)
@@ -81,6 +87,17 @@ class GroupInputs:
 
         return map_tensors(self.args, copy), map_tensors(self.kwargs, copy)
 
+    def wrote(self, mark: int) -> bool:
+        """Whether the group whose inputs were made since ``mark`` wrote one of them in place."""
+        return any(made._version != version for _, made, version, _, _ in self.written[mark:])
+
+    def wrote_shared(self, mark: int) -> None:
+        """:class:`UnsplittableCall` if the group given the caller's own tensors since ``mark`` wrote one of them:
+        the groups after it would read what it wrote, and the rows of the others hold it (the step runs again)."""
+        for tensor, made, version, _, _ in self.written[mark:]:
+            if made is tensor and tensor._version != version:
+                raise UnsplittableCall(self.name, "a path wrote in place the inputs it shared", None, again=True)
+
     def discard(self, mark: int) -> None:
         """Forget the copies made since ``mark`` (a group's attempt that raised: it runs again on its own rows)."""
         del self.written[mark:]
@@ -88,7 +105,7 @@ class GroupInputs:
     def write_back(self) -> None:
         """What a path wrote in place into a copy of a caller's tensor, back into it on the group's rows only."""
         for tensor, made, version, rows, every_row in self.written:
-            if made._version == version:
+            if made is tensor or made._version == version:
                 continue
             axis = row_axis(tensor, self.count, self.name)
             if axis is None:

@@ -273,7 +273,9 @@ def _wrap_processor(processor: Any, requests: Requests) -> None:
                 except UnsplittableCall as error:
                     if use_async or _compat.missing_attributes({"RequestState": batch.futures[0].state}):
                         raise
-                    if error.size is None:
+                    if error.again:
+                        pass  # nothing to remember: this step runs apart, later ones mix again
+                    elif error.size is None:
                         requests.grouped.add(error.layer_name)  # later steps keep its policies apart
                     else:
                         requests.unsplittable_counts.add(error.size)
