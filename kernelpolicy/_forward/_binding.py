@@ -311,11 +311,9 @@ class Binding:
                 raise
             self._record(recorders, path, reason)
             return out
-        if path == "error":
-            self._record(recorders, path, reason)
-        elif path == "kernel":
+        if path == "kernel":
             return self._run(recorders, path, reason, self.kernel, args, kwargs)  # type: ignore[arg-type]
-        else:
+        if path == "original":
             if self.kernel is not None and reason != DISABLED and not _is_dynamo():
                 log_fallback(self, reason)
             return self._run(recorders, path, reason, self.original, args, kwargs)
@@ -328,7 +326,9 @@ class Binding:
                 msg=unavailable_message(self.module_name, self.layer_name, self.module_class, reason) + COMPILED_FIX
             )
             _raise_unavailable(self, reason)
-        raise self.error(reason)
+        refusal = self.error(reason)
+        self._record(recorders, path, reason, refusal)  # with the class of the error raised (KernelUnavailableError)
+        raise refusal
 
     def _compiled_mode(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
         """The mode of a ``ruled`` forward's call under TorchDynamo with the kernel on, from what the program reads.

@@ -166,8 +166,9 @@ def unsupported(
         return on_local_shards(binding.kernel, binding.module, args, kwargs)
     reason = f"{NO_SHARDING}: {error}"
     if mode == "require":
-        binding._record(recorders, "error", NO_SHARDING)
-        raise binding.error(reason) from error
+        refusal = binding.error(reason)
+        binding._record(recorders, "error", NO_SHARDING, refusal)
+        raise refusal from error
     log_fallback(binding, reason)
     return binding._run(recorders, "original", NO_SHARDING, binding.original, args, kwargs)
 
