@@ -447,7 +447,7 @@ class Binding:
             )
             if policy.on_mismatch == "raise":
                 raise error
-            if first_time(self.layer_name, "mismatch"):
+            if first_time(self.layer_name, "mismatch", logging.WARNING):
                 logger.warning("%s (logged once per layer)", error)
         return out
 

@@ -183,17 +183,22 @@ def log_fallback(binding: Failing, reason: str) -> None:
     log_once(binding, reason, level, f"falls back to its original forward: {reason}")
 
 
-def first_time(layer_name: str, key: str) -> bool:
-    """Whether ``key`` of kernel layer ``layer_name`` is said now for the first time (from now on: said)."""
-    if (layer_name, key) in _logged:
+def first_time(layer_name: str, key: str, level: int) -> bool:
+    """Whether ``key`` of kernel layer ``layer_name``, a line at ``level``, is said now for the first time.
+
+    From now on it is said; but a line the ``kernelpolicy`` logger does not emit at its level now (INFO
+    under a default logging set-up) is not said: it is said the first time it would be shown, after
+    ``logging.getLogger("kernelpolicy").setLevel(logging.INFO)``, say.
+    """
+    if (layer_name, key) in _logged or not logger.isEnabledFor(level):
         return False
     _logged.add((layer_name, key))
     return True
 
 
 def log_once(binding: Failing, key: str, level: int, what: str) -> None:
-    """Log ``what`` of the binding's kernel layer, once per layer and ``key``."""
-    if first_time(binding.layer_name, key):
+    """Log ``what`` of the binding's kernel layer, once per layer and ``key`` (see :func:`first_time`)."""
+    if first_time(binding.layer_name, key, level):
         logger.log(
             level, "kernel layer %r (%s at %r) %s", binding.layer_name, binding.module_class, binding.module_name, what
         )
