@@ -7,12 +7,16 @@ traced program's output (Python counters do not run inside a compiled graph).
 from __future__ import annotations
 
 import contextlib
+import logging
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
 import torch._dynamo
-from _helpers import graph_breaks, kernel_ran
+from _helpers import CountingBackend, graph_breaks, kernel_ran
 
 import kernelpolicy as kp
 from kernelpolicy.testing import DemoModel
@@ -151,3 +155,103 @@ def test_execution_state_inside_tracers() -> None:
     torch.jit.trace(probe, (X,), check_trace=False)
     probe(X)
     assert seen == ["export", "fx", "jit", "eager"]
+
+
+TRACERS: dict[str, Callable[[torch.nn.Module], object]] = {
+    "compile": lambda model: torch.compile(model, backend="eager")(X),
+    "compile, fullgraph": lambda model: torch.compile(model, backend="eager", fullgraph=True)(X),
+    "export, strict": lambda model: torch.export.export(model, (X,), strict=True),
+    "export": lambda model: torch.export.export(model, (X,)),
+    "jit": lambda model: torch.jit.trace(model, (X,), check_trace=False),
+    "fx": lambda model: torch.fx.symbolic_trace(model),
+}
+
+
+def _fallback_lines(caplog: pytest.LogCaptureFixture) -> list[tuple[int, str]]:
+    return [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "kernelpolicy"]
+
+
+@pytest.mark.parametrize("tracer", TRACERS)
+def test_prefer_logs_a_kernel_it_cannot_trace_once_under_every_tracer(
+    kernelized: Callable[..., DemoModel], caplog: pytest.LogCaptureFixture, tracer: str
+) -> None:
+    """Issue 47, item 1 (was: logged under jit, FX and non-strict export, but not under ``torch.compile``, with
+    ``fullgraph`` or without, nor strict export: a traced program runs no Python; now TorchDynamo logs it while
+    it traces, through a function it calls at trace time, with no graph break)."""
+    from kernelpolicy._forward._failures import _logged
+
+    state = {"compile, fullgraph": "compile", "export, strict": "export"}.get(tracer, tracer)
+    reason = f"kernel cannot be traced under {state} (it does not declare can_torch_compile = True)"
+    _logged.discard(("RMSNorm", reason))
+    model = kernelized("untraceable")
+    with caplog.at_level(logging.WARNING, logger="kernelpolicy"):  # a default set-up shows WARNING
+        TRACERS[tracer](model)
+        TRACERS[tracer](kernelized("untraceable"))  # once per layer and reason: another model adds none
+    assert _fallback_lines(caplog) == [
+        (
+            logging.WARNING,
+            f"kernel layer 'RMSNorm' (kernelpolicy.testing.RMSNorm at 'blocks.0.1') falls back to its original "
+            f"forward: {reason}",
+        )
+    ]
+    assert graph_breaks() == 0
+
+
+def test_a_compiled_program_of_a_kernel_it_cannot_trace_is_logged_whatever_policy_traced_it(
+    kernelized: Callable[..., DemoModel], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The program of a layer whose kernel cannot be traced is one program under every mode but ``require``:
+    traced under ``disable``, it serves ``prefer`` too, with no trace left to log from; so it is logged then."""
+    from kernelpolicy._forward._failures import _logged
+
+    _logged.clear()
+    compiled = torch.compile(kernelized("untraceable"), backend=(backend := CountingBackend()), fullgraph=True)
+    with caplog.at_level(logging.WARNING, logger="kernelpolicy"):
+        with kp.kernels_disabled():
+            assert not kernel_ran(compiled(X))
+        assert not kernel_ran(compiled(X))  # prefer: the same program, no new trace
+    assert backend.compiles == 1
+    assert [message.rsplit(": ", 1)[1] for _, message in _fallback_lines(caplog)] == [
+        "kernel cannot be traced under compile (it does not declare can_torch_compile = True)"
+    ]
+
+
+def test_the_fallback_under_compile_reaches_a_default_logging_set_up(kernel_repos: dict[str, Path]) -> None:
+    """``logging.basicConfig()`` and nothing else: the line reaches stderr, once per layer and reason."""
+    script = f"""
+import logging, torch
+import kernelpolicy as kp
+from kernelpolicy.testing import DemoModel, local_mapping
+logging.basicConfig()
+def model():
+    with local_mapping({{"RMSNorm": {str(kernel_repos["untraceable"])!r}}}):
+        return kp.kernelize(DemoModel(16).eval(), mode="inference", device="cpu")
+x = torch.randn(2, 16)
+torch.compile(model(), backend="eager", fullgraph=True)(x)
+torch.compile(model(), backend="eager")(x)
+torch.export.export(model(), (x,), strict=True)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line for line in done.stderr.splitlines() if line.startswith("WARNING:kernelpolicy:")]
+    assert [line.rsplit(": ", 1)[1] for line in lines] == [
+        "kernel cannot be traced under compile (it does not declare can_torch_compile = True)",
+        "kernel cannot be traced under export (it does not declare can_torch_compile = True)",
+    ]
+
+
+def test_a_fallback_decided_in_the_traced_slow_path_is_logged_too(
+    kernelized: Callable[..., DemoModel], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A traceable kernel without backward on a call autograd records: the traced slow path decides, and logs."""
+    from kernelpolicy._forward._dispatch import NO_BACKWARD
+    from kernelpolicy._forward._failures import _logged
+
+    _logged.discard(("RMSNorm", NO_BACKWARD))
+    compiled = torch.compile(kernelized("no_backward").train(), backend="eager", fullgraph=True)
+    with caplog.at_level(logging.WARNING, logger="kernelpolicy"):
+        assert not kernel_ran(compiled(X))
+    assert [(level, message.endswith(NO_BACKWARD)) for level, message in _fallback_lines(caplog)] == [
+        (logging.WARNING, True)
+    ]
+    assert graph_breaks() == 0

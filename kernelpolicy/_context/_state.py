@@ -47,7 +47,15 @@ from torch.compiler import is_dynamo_compiling as _is_dynamo
 
 from .._compat._compat import COMPILING_FLAG, EXPORTING_FLAG, FUNCTORCH_STACK, FX_TRACING, first_present, lookup
 
-__all__ = ["READERS", "TRACING_CHECK", "TRACING_NAMES", "ExecutionState", "execution_state", "in_transform"]
+__all__ = [
+    "READERS",
+    "TRACING_CHECK",
+    "TRACING_NAMES",
+    "ExecutionState",
+    "execution_state",
+    "in_transform",
+    "traced_state",
+]
 
 ExecutionState = Literal["eager", "compile", "export", "jit", "fx"]
 
@@ -111,6 +119,14 @@ def execution_state() -> ExecutionState:
     if _get_tracing_state() is not None:
         return "jit"
     return "eager"
+
+
+def traced_state() -> Literal["compile", "export"]:
+    """What TorchDynamo traces for, asked by code it calls while tracing (not traced itself).
+
+    Strict ``torch.export`` (which sets the export flag before TorchDynamo traces), else ``torch.compile``.
+    """
+    return "export" if _exporting() else "compile"
 
 
 _peek_transforms = lookup(FUNCTORCH_STACK.names[0]) if first_present(FUNCTORCH_STACK) else (lambda: None)

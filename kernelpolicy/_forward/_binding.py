@@ -28,6 +28,7 @@ from .._values._errors import KernelMismatchError, KernelUnavailableError, Origi
 from .._values._exceptions import exception_types
 from .._values._policy import VARIANTS, variant_names
 from .._values._rules import RULES, KernelRule, parameter_names
+from . import _failures
 from ._called import called_name
 from ._dispatch import (
     DISABLED,
@@ -104,6 +105,7 @@ class Binding:
         "replays",
         "repository",
         "stopped",
+        "traced_fallback",
         "variants",
         "wrapper",
     )
@@ -166,6 +168,8 @@ class Binding:
         #: What the forward recorded for recomputations in backward (activation checkpointing), see ``_replay``.
         self.replays = Replays(self)
         self.nested: bool | None = None  # policy-aware layers inside the module? (asked by a mixed call)
+        #: What the traced branch of a forward whose kernel cannot be traced calls: logs why, while traced.
+        self.traced_fallback = _failures.traced_fallback(self)
         if replacing is not None:
             self.variants = replacing.variants
             self.wrapper = replacing.wrapper
@@ -314,8 +318,8 @@ class Binding:
         if path == "kernel":
             return self._run(recorders, path, reason, self.kernel, args, kwargs)  # type: ignore[arg-type]
         if path == "original":
-            if self.kernel is not None and reason != DISABLED and not _is_dynamo():
-                log_fallback(self, reason)
+            if self.kernel is not None and reason != DISABLED:
+                log_fallback(self, reason)  # where TorchDynamo traces too: it calls it then (see there)
             return self._run(recorders, path, reason, self.original, args, kwargs)
         if _is_dynamo():
             # Constructing or raising an exception in traced code is unsupported;
@@ -376,8 +380,7 @@ class Binding:
                 return self._run(recorders, "original", f"{FAILED} ({self.last_failure})", self.original, args, kwargs)
             self._record(recorders, path, reason)
             return out
-        if not _is_dynamo():
-            log_fallback(self, reason)
+        log_fallback(self, reason)  # where TorchDynamo traces too
         return self._run(recorders, path, reason, self.original, args, kwargs)
 
     def _run(

@@ -64,6 +64,11 @@ by the code after the break. It never runs the untraceable kernel silently.
 Strict ``torch.export`` traces with TorchDynamo, so it fails as
 ``fullgraph=True`` does; under non-strict export, fx and jit tracing the
 Python code runs, so the error is raised as in eager code.
+
+Nor can a traced program log: under TorchDynamo, ``prefer``'s fallback is
+logged while the forward is traced, by a function TorchDynamo calls then
+(``_failures.log_fallback``; the ``traced_fallback`` cell of a kernel that
+cannot be traced, whose one program serves every mode but ``require``).
 """
 
 from __future__ import annotations
@@ -142,6 +147,8 @@ class Dispatched(Mixed, Protocol):
     ) -> Any: ...
     def refused(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None: ...
     def patched(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any: ...
+    @property
+    def traced_fallback(self) -> Callable[[], bool]: ...
 
 
 def untraceable(state: ExecutionState) -> str:
@@ -293,6 +300,8 @@ _BODIES: dict[str, str] = {
             elif not traceable and {required}:
                 out = slow("require", {pack})
             else:
+                if not traceable:  # one program under every mode but require: said while it is traced
+                    traced_fallback()
                 out = (original(self, {call}) if persisting() or type(self).forward is own else type(self).forward(self, {call}))
             return checked(out, active, {name}, "kr") if persisting() else out
         mode = {lookup}
@@ -343,7 +352,8 @@ _BODIES: dict[str, str] = {
         return slow(mode, {pack})""",
 }
 _CELLS = (
-    "original, kernel, slow, unsupported, failed, has_backward, traceable, refused, replay, last, own, patched, mixed"
+    "original, kernel, slow, unsupported, failed, has_backward, traceable, refused, replay, last, own, patched, mixed, "
+    "traced_fallback"
 )
 _FACTORIES: dict[tuple[str, str, str, str, str], Callable[..., Callable[..., Any]]] = {}
 
@@ -389,7 +399,7 @@ def forward_source(variant: str, function: Callable[..., Any], layer_name: str) 
     variants for ``forward(self, hidden_states)``):
 
     >>> print(forward_source("without_kernel", lambda self, x: x, "Double"))  # doctest: +NORMALIZE_WHITESPACE
-    def make(original, kernel, slow, unsupported, failed, has_backward, traceable, refused, replay, last, own, patched, mixed):
+    def make(original, kernel, slow, unsupported, failed, has_backward, traceable, refused, replay, last, own, patched, mixed, traced_fallback):
         def forward(self, x):
             active = DEFAULTS.active._current
             if _is_dynamo():
@@ -466,6 +476,7 @@ def make_forward(binding: Dispatched) -> Callable[..., Any]:
         binding.own,
         binding.patched,
         functools.partial(run_mixed, binding),
+        binding.traced_fallback,
     )
     forward.__qualname__ = f"kernelpolicy.{variant}.forward"
     freevars = forward.__code__.co_freevars

@@ -13,9 +13,11 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, Protocol
 
+from .._compat._attributes import DYNAMO_CONSTANT_MARK
 from .._context._active import in_effect
+from .._context._state import traced_state
 from .._values._exceptions import exception_types
-from ._dispatch import FAILED, INELIGIBLE, NO_KERNEL, USABLE, Path
+from ._dispatch import FAILED, INELIGIBLE, NO_KERNEL, USABLE, Path, untraceable
 from ._sharding import LOCAL_SHARDS, NO_SHARDING, ON_LOCAL_SHARDS, _no_sharding_strategy
 
 if TYPE_CHECKING:
@@ -33,6 +35,7 @@ __all__ = [
     "log_fallback",
     "log_once",
     "reset_failures",
+    "traced_fallback",
     "unsupported",
     "variant_failed",
 ]
@@ -173,14 +176,34 @@ def unsupported(
     return binding._run(recorders, "original", NO_SHARDING, binding.original, args, kwargs)
 
 
-def log_fallback(binding: Failing, reason: str) -> None:
-    """Log once per reason that the original ran instead of the bound kernel.
+def log_fallback(binding: Failing, reason: str) -> bool:
+    """Log once per reason that the original ran instead of the bound kernel (returns True).
 
     A warning where the bound kernel cannot run in a whole situation (a tracer, autograd, DTensor, a
     stopped kernel); INFO where a ``kernel_accepts`` rule declined one call, as it was declared to.
+
+    Where TorchDynamo traces (``torch.compile``, strict ``torch.export``) a program runs no Python, so it
+    cannot log: TorchDynamo calls this function itself while it traces the forward (it has
+    ``assume_constant_result``'s mark, below) and folds its True into the program, without a guard and
+    without a graph break. So the line is logged when the program is traced, once per layer and reason.
     """
     level = logging.INFO if reason.startswith(INELIGIBLE) or reason == NO_KERNEL else logging.WARNING
     log_once(binding, reason, level, f"falls back to its original forward: {reason}")
+    return True
+
+
+def traced_fallback(binding: Failing) -> Callable[[], bool]:
+    """What the traced branch of the binding's forward calls where its kernel cannot be traced (a cell).
+
+    :func:`log_fallback` of why, called by TorchDynamo while it traces (the same mark): that layer's one
+    program serves every mode but ``require``, so it is logged whichever policy the program is traced under.
+    """
+
+    def logged() -> bool:
+        return log_fallback(binding, untraceable(traced_state()))
+
+    setattr(logged, DYNAMO_CONSTANT_MARK, True)
+    return logged
 
 
 def first_time(layer_name: str, key: str, level: int) -> bool:
@@ -202,3 +225,7 @@ def log_once(binding: Failing, key: str, level: int, what: str) -> None:
         logger.log(
             level, "kernel layer %r (%s at %r) %s", binding.layer_name, binding.module_class, binding.module_name, what
         )
+
+
+# ``torch._dynamo.assume_constant_result``'s mark, set directly (importing TorchDynamo takes over a second).
+setattr(log_fallback, DYNAMO_CONSTANT_MARK, True)
