@@ -26,7 +26,11 @@ with the same name and module. That subclass:
   (:data:`FAST_CALL`);
 - deep-copies with its kernel and pickles as the original class (the kernel,
   which lives in a dynamically loaded module, is dropped, as ``kernels``
-  itself does; re-kernelize after loading): ``_copies``' members.
+  itself does; re-kernelize after loading): ``_copies``' members;
+- has a metaclass of its own (:class:`AwareType`, a subclass of the original's
+  metaclass that adds nothing), so that the class itself pickles: pickle asks
+  ``copyreg`` by the metaclass, and ``_copies`` registers there the original by
+  name, made aware again where it is loaded.
 
 The dispatcher itself is an instance attribute (``module.__dict__["forward"]``,
 a plain closure built by ``_dispatch.make_forward``), so ``module(x)`` pays no
@@ -72,7 +76,16 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
 
-__all__ = ["KERNELIZING", "NO_ORIGINAL", "ORIGINALS", "binding_of", "bound_by_hand", "bound_forward"]
+__all__ = [
+    "CLASS_TYPES",
+    "KERNELIZING",
+    "NO_ORIGINAL",
+    "ORIGINALS",
+    "AwareType",
+    "binding_of",
+    "bound_by_hand",
+    "bound_forward",
+]
 
 _versions.check_torch()
 
@@ -313,8 +326,40 @@ def _aware_class(cls: type[nn.Module]) -> type[nn.Module]:
             "_kernelpolicy_original": cls,
         }
         namespace.update(_aware_members(cls))
-        found = type(cls.__name__, (cls,), namespace)
+        found = _aware_type(type(cls))(cls.__name__, (cls,), namespace)
         _AWARE_CLASSES[cls] = weakref.ref(found)
+    return found
+
+
+class AwareType(type):
+    """The metaclass of the aware classes of classes whose metaclass is ``type`` (nearly all modules).
+
+    An aware class has its original's name and module, so pickle cannot find it by name (``getattr(module,
+    qualname)`` is the original). Pickle looks up how to save a class by its metaclass in ``copyreg``'s
+    table, which ``type`` itself bypasses: so aware classes have a metaclass of their own, which
+    :data:`CLASS_TYPES` registers there (``_copies``: rebuilt from the original class, by name). It adds
+    nothing else: ``type(cls)`` is the only difference from the original's.
+    """
+
+
+# The metaclass of the original -> the metaclass of its aware classes (a subclass, see AwareType).
+_AWARE_TYPES: dict[type, type] = {type: AwareType}
+#: ``registered(metaclass)``: called for each metaclass of aware classes (:class:`AwareType` included) when it
+#: is first used (pickling an aware class: ``_copies``, which registers its reduction in ``copyreg``).
+CLASS_TYPES: list[Callable[[type], None]] = []
+_TYPES_REGISTERED: set[type] = set()
+
+
+def _aware_type(meta: type) -> type:
+    """The metaclass of aware classes made of classes of metaclass ``meta`` (``abc.ABCMeta``: a subclass of it)."""
+    found = _AWARE_TYPES.get(meta)
+    if found is None:
+        name = f"Aware{meta.__name__[:1].upper()}{meta.__name__[1:]}"
+        found = _AWARE_TYPES[meta] = type(meta)(name, (meta,), {"__module__": __name__, "__doc__": AwareType.__doc__})
+    if found not in _TYPES_REGISTERED:
+        for registered in CLASS_TYPES:
+            registered(found)
+        _TYPES_REGISTERED.add(found)
     return found
 
 
