@@ -38,7 +38,7 @@ check comes before both.
 
 from __future__ import annotations
 
-from typing import Any, Final, Literal
+from typing import TYPE_CHECKING, Any, Final, Literal
 
 import torch
 import torch.compiler as _compiler
@@ -47,12 +47,16 @@ from torch.compiler import is_dynamo_compiling as _is_dynamo
 
 from .._compat._compat import COMPILING_FLAG, EXPORTING_FLAG, FUNCTORCH_STACK, FX_TRACING, first_present, lookup
 
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
 __all__ = [
     "READERS",
     "TRACING_CHECK",
     "TRACING_NAMES",
     "ExecutionState",
     "execution_state",
+    "fx_tracing",
     "in_transform",
     "traced_state",
 ]
@@ -95,6 +99,8 @@ _HAS_EXPORT_FLAG: Final = READERS["export"] == "_compiler._is_exporting_flag"
 _exporting = _reader(READERS["export"])
 _compiling = _reader(READERS["compile"])
 _fx_tracing = _reader(READERS["fx"])
+#: Whether FX traces (``symbolic_trace``, and non-strict export under it), in eager code: the flag alone.
+fx_tracing: Callable[[], bool] = _fx_tracing
 _get_tracing_state = torch._C._get_tracing_state  # see _compat.JIT_TRACING_STATE
 
 

@@ -101,12 +101,15 @@ class Binding:
         "no_original",
         "original",
         "own",
+        "owner",
         "parameters",
         "replays",
         "repository",
         "stopped",
         "traced_fallback",
         "variants",
+        "watched",
+        "watched_own",
         "wrapper",
     )
 
@@ -121,12 +124,13 @@ class Binding:
         kernel_class: type | None,
         repository: str | None,
         no_original: str | None = None,
+        watched: type | None = None,
         replacing: Binding | None = None,
     ) -> None:
         """Bind ``module``: the binding is stored on it and its forward installed (one call from ``_aware``).
 
         ``replacing``: the module's binding until now (kernelized again: ``train()``/``eval()``), whose variants
-        and other library's wrapper stay, and whose forward is redirected to the new one.
+        and other library's wrapper stay, and whose forward is redirected to the new one. ``watched``: see there.
         """
         self.module = module
         self.module_name = module_name
@@ -164,7 +168,12 @@ class Binding:
         self.wrapper: Any = None
         #: The class's forward when the module was bound: the forward asks whether it is still the class's
         #: (a patch, ``mock.patch.object(cls, "forward", ...)``, replaces it) before it runs the original.
-        self.own: Any = getattr(type(module), "forward", None)
+        self.owner: Any = type(module)
+        self.own: Any = getattr(self.owner, "forward", None)
+        #: And the forward of the class above it that the original comes from (``_aware``'s class forward
+        #: stands for it there): a patch there changes it (the module's class itself if not given).
+        self.watched: Any = type(module) if watched is None else watched
+        self.watched_own: Any = getattr(self.watched, "forward", None)
         #: What the forward recorded for recomputations in backward (activation checkpointing), see ``_replay``.
         self.replays = Replays(self)
         self.nested: bool | None = None  # policy-aware layers inside the module? (asked by a mixed call)
@@ -281,7 +290,9 @@ class Binding:
         self, mode: str, args: tuple[Any, ...], kwargs: dict[str, Any], state: ExecutionState | None = None
     ) -> Any:
         """Every call the fast exits of the forward closure do not take."""
-        if type(self.module).forward is not self.own and not _is_dynamo():  # the class was patched: its original
+        if (self.owner.forward is not self.own or self.watched.forward is not self.watched_own) and not (
+            _is_dynamo()
+        ):  # a class was patched: its original
             return self.patched(args, kwargs)
         if mode == MIXED:  # rows of several policies (a mixed step of continuous batching, see ``_mixing``)
             return run_mixed(self, args, kwargs)

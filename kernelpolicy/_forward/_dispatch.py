@@ -65,10 +65,8 @@ Strict ``torch.export`` traces with TorchDynamo, so it fails as
 ``fullgraph=True`` does; under non-strict export, fx and jit tracing the
 Python code runs, so the error is raised as in eager code.
 
-Nor can a traced program log: under TorchDynamo, ``prefer``'s fallback is
-logged while the forward is traced, by a function TorchDynamo calls then
-(``_failures.log_fallback``; the ``traced_fallback`` cell of a kernel that
-cannot be traced, whose one program serves every mode but ``require``).
+Nor can a traced program log: TorchDynamo calls ``_failures.log_fallback``
+while it traces (the ``traced_fallback`` cell of an untraceable kernel).
 """
 
 from __future__ import annotations
@@ -127,7 +125,13 @@ class Dispatched(Mixed, Protocol):
     @property
     def has_backward(self) -> bool: ...
     @property
+    def owner(self) -> type: ...
+    @property
     def own(self) -> Any: ...
+    @property
+    def watched(self) -> type: ...
+    @property
+    def watched_own(self) -> Any: ...
     @property
     def replays(self) -> Replays: ...
     def slow_path(
@@ -258,11 +262,11 @@ _BODIES: dict[str, str] = {
         active = DEFAULTS.active._current
         if _is_dynamo():
             active = in_effect()
-            out = slow("require", {pack}) if {required} else (original(self, {call}) if persisting() or type(self).forward is own else type(self).forward(self, {call}))
+            out = slow("require", {pack}) if {required} else (original(self, {call}) if persisting() or {same} else {patch}(self, {call}))
             return checked(out, active, {name}, "r") if persisting() else out
         mode = {lookup}
         if mode == "prefer" or mode == "disable":
-            return (original(self, {call}) if type(self).forward is own else patched({pack}))
+            return (original(self, {call}) if {same} else patched({pack}))
         return slow(mode, {pack})""",
     "always_usable": """
         active = DEFAULTS.active._current
@@ -270,7 +274,7 @@ _BODIES: dict[str, str] = {
             active = in_effect()
             if {kernel_on} == "mixed":
                 return mixed({pack})
-            out = kernel(self, {call}) if {kernel_on} else (original(self, {call}) if persisting() or type(self).forward is own else type(self).forward(self, {call}))
+            out = kernel(self, {call}) if {kernel_on} else (original(self, {call}) if persisting() or {same} else {patch}(self, {call}))
             return checked(out, active, {name}, "k") if persisting() else out
         mode = {lookup}
         if active is not last:
@@ -287,7 +291,7 @@ _BODIES: dict[str, str] = {
                     raise
                 return failed(error, {pack})
         if mode == "disable":
-            return (original(self, {call}) if type(self).forward is own else patched({pack}))
+            return (original(self, {call}) if {same} else patched({pack}))
         return slow(mode, {pack})""",
     "general": """
         active = DEFAULTS.active._current
@@ -302,7 +306,7 @@ _BODIES: dict[str, str] = {
             else:
                 if not traceable:  # one program under every mode but require: said while it is traced
                     traced_fallback()
-                out = (original(self, {call}) if persisting() or type(self).forward is own else type(self).forward(self, {call}))
+                out = (original(self, {call}) if persisting() or {same} else {patch}(self, {call}))
             return checked(out, active, {name}, "kr") if persisting() else out
         mode = {lookup}
         if active is not last or (not has_backward and _grad()):
@@ -310,7 +314,7 @@ _BODIES: dict[str, str] = {
             if out is not GO_ON:
                 return out
         if mode == "disable":
-            return (original(self, {call}) if type(self).forward is own else patched({pack}))
+            return (original(self, {call}) if {same} else patched({pack}))
         if (mode == "prefer" or mode == "require") and not ({tracing}) and (
             has_backward or not (torch.is_grad_enabled() or RECOMPUTED_WITH_GRAD.get()) or not autograd_records(self, {pack})
         ):
@@ -329,7 +333,7 @@ _BODIES: dict[str, str] = {
             active = in_effect()
             if {kernel_on} == "mixed":
                 return mixed({pack})
-            out = slow(KERNEL_ON, {pack}) if {kernel_on} else (original(self, {call}) if persisting() or type(self).forward is own else type(self).forward(self, {call}))
+            out = slow(KERNEL_ON, {pack}) if {kernel_on} else (original(self, {call}) if persisting() or {same} else {patch}(self, {call}))
             return checked(out, active, {name}, "krv") if persisting() else out
         mode = {lookup}
         if active is not last or (not has_backward and _grad()):
@@ -337,7 +341,7 @@ _BODIES: dict[str, str] = {
             if out is not GO_ON:
                 return out
         if mode == "disable":
-            return (original(self, {call}) if type(self).forward is own else patched({pack}))
+            return (original(self, {call}) if {same} else patched({pack}))
         if (mode == "prefer" or mode == "require") and not ({tracing}) and (
             has_backward or not (torch.is_grad_enabled() or RECOMPUTED_WITH_GRAD.get()) or not autograd_records(self, {pack})
         ) and refused(self, {pack}) is None:
@@ -352,9 +356,13 @@ _BODIES: dict[str, str] = {
         return slow(mode, {pack})""",
 }
 _CELLS = (
-    "original, kernel, slow, unsupported, failed, has_backward, traceable, refused, replay, last, own, patched, mixed, "
-    "traced_fallback"
+    "original, kernel, slow, unsupported, failed, has_backward, traceable, refused, replay, last, owner, own, "
+    "watched, watched_own, patched, mixed, traced_fallback"
 )
+#: No class patched since binding (``Binding.own``, ``watched``); the class is a cell, since kernels >= 0.19 calls
+#: a wrapper's forward with another module as ``self``. And, in traced code, the patched forward to call.
+_SAME: Final = "(owner.forward is own and watched.forward is watched_own)"
+_PATCH: Final = "(owner.forward if owner.forward is not own else watched.forward)"
 _FACTORIES: dict[tuple[str, str, str, str, str], Callable[..., Callable[..., Any]]] = {}
 
 
@@ -399,16 +407,16 @@ def forward_source(variant: str, function: Callable[..., Any], layer_name: str) 
     variants for ``forward(self, hidden_states)``):
 
     >>> print(forward_source("without_kernel", lambda self, x: x, "Double"))  # doctest: +NORMALIZE_WHITESPACE
-    def make(original, kernel, slow, unsupported, failed, has_backward, traceable, refused, replay, last, own, patched, mixed, traced_fallback):
+    def make(original, kernel, slow, unsupported, failed, has_backward, traceable, refused, replay, last, owner, own, watched, watched_own, patched, mixed, traced_fallback):
         def forward(self, x):
             active = DEFAULTS.active._current
             if _is_dynamo():
                 active = in_effect()
-                out = slow("require", (x, ), {}) if active.required.Double else (original(self, x) if persisting() or type(self).forward is own else type(self).forward(self, x))
+                out = slow("require", (x, ), {}) if active.required.Double else (original(self, x) if persisting() or (owner.forward is own and watched.forward is watched_own) else (owner.forward if owner.forward is not own else watched.forward)(self, x))
                 return checked(out, active, 'Double', "r") if persisting() else out
             mode = active.modes.Double
             if mode == "prefer" or mode == "disable":
-                return (original(self, x) if type(self).forward is own else patched((x, ), {}))
+                return (original(self, x) if (owner.forward is own and watched.forward is watched_own) else patched((x, ), {}))
             return slow(mode, (x, ), {})
         return forward
     """
@@ -427,6 +435,8 @@ def forward_source(variant: str, function: Callable[..., Any], layer_name: str) 
         kernel_on=entry("kernel_on"),
         required=entry("required"),
         name=repr(layer_name),
+        same=_SAME,
+        patch=_PATCH,
     )
     return f"def make({_CELLS}):\n    def forward(self, {params}):{body}\n    return forward\n"
 
@@ -473,7 +483,10 @@ def make_forward(binding: Dispatched) -> Callable[..., Any]:
         binding.refused,
         binding.replays.check,
         None,
+        binding.owner,
         binding.own,
+        binding.watched,
+        binding.watched_own,
         binding.patched,
         functools.partial(run_mixed, binding),
         binding.traced_fallback,
