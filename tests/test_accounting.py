@@ -44,6 +44,19 @@ def test_errors_are_counted_before_they_raise() -> None:
     assert calls.by_layer() == {"RMSNorm": {"error": 1}}
 
 
+def test_a_call_require_refuses_is_recorded_with_the_class_of_its_error() -> None:
+    """Issue 47, item 2 (was: recorded with an empty ``raised``, so ``total(raised=True)`` was 0 and the table
+    had no ``raised`` column, while a kernel's own error kept its class)."""
+    model = kp.attach(DemoModel(16))
+    with kp.record_calls() as calls, kp.kernel_policy("require"), pytest.raises(kp.KernelUnavailableError):
+        model(X)
+    assert calls.items() == [(("blocks.0.1", "RMSNorm", "error", "no kernel bound", "KernelUnavailableError"), 1)]
+    assert calls.total(raised=True) == calls.total(path="error") == 1
+    header, row = str(calls).splitlines()[0].split(), str(calls).splitlines()[-1]
+    assert header == ["module", "layer", "path", "reason", "raised", "calls"]
+    assert "KernelUnavailableError" in row
+
+
 def test_nothing_is_recorded_outside_the_block(kernelized: Callable[..., DemoModel]) -> None:
     model = kernelized("exact")
     with kp.record_calls() as calls:

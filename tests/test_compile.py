@@ -342,6 +342,37 @@ def test_a_program_first_compiled_with_no_scope_compiles_once_more_under_a_scope
     assert backend.compiles == 2
 
 
+def test_the_extra_compile_comes_once_per_path_first_compiled_with_no_scope() -> None:
+    """Issue 47: once per path, not once, and docs/compile.md says so. Each path (which kernels run: a program)
+    whose first call had no scope compiles once more under its first scope; one first compiled under a scope
+    serves unscoped calls as they are."""
+    from pathlib import Path
+
+    compiled = torch.compile(three_kernel_layers(), backend=(backend := CountingBackend()), fullgraph=True)
+    x, counts = torch.zeros(1), []
+
+    def call(scope: contextlib.AbstractContextManager[object], expected: float) -> None:
+        before = backend.compiles
+        with scope:
+            assert compiled(x).item() == expected
+        counts.append(backend.compiles - before)
+
+    call(contextlib.nullcontext(), 111)  # the kernels' path, unscoped (the process default, prefer)
+    kp.set_default_policy("disable")
+    call(contextlib.nullcontext(), 0)  # the originals' path, unscoped
+    call(kp.kernel_policy("disable"), 0)  # its first scope: once more
+    call(kp.kernel_policy("prefer"), 111)  # the kernels' path under its first scope: once more too
+    call(kp.kernel_policy("prefer", KpA="disable"), 110)  # a path first compiled under a scope ...
+    kp.set_default_policy(kp.Policy("prefer", KpA="disable"))
+    call(contextlib.nullcontext(), 110)  # ... serves unscoped calls
+    call(contextlib.nullcontext(), 110)
+    call(kp.kernel_policy("disable"), 0)
+    call(kp.kernel_policy("prefer"), 111)
+    assert counts == [1, 1, 1, 1, 1, 0, 0, 0, 0]
+    text = " ".join((Path(__file__).parent.parent / "docs" / "compile.md").read_text().split())
+    assert "One extra compile remains, once per path" in text
+
+
 def test_a_layer_without_kernel_is_one_program_under_prefer_and_disable() -> None:
     layer = kp.attach(
         nn.Sequential(type("KpNone", (nn.Module,), {"kernel_layer_name": "KpNone", "forward": lambda self, x: x + 1})())

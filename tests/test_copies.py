@@ -125,3 +125,55 @@ def test_a_deep_copy_of_a_kernelized_llama_is_a_reference_model(tmp_path: Path) 
         assert not torch.equal(reference(ids).logits, disabled)  # the copy's kernel is bound and follows the policy
         next(model.parameters()).add_(1.0)
         assert not torch.equal(reference(ids).logits, model(ids).logits)
+
+
+def test_an_aware_class_pickles_by_name_wherever_its_original_does(tmp_path: Path) -> None:
+    """Issue 47, item 3 (was: ``Can't pickle <class 'kernelpolicy.testing.RMSNorm'>: it's not the same object as
+    kernelpolicy.testing.RMSNorm``, from pickle, ``torch.save`` and torch's graph pickler, since an aware class has
+    its original's module and name). Its metaclass has a ``copyreg`` reduction: the original by name, made aware
+    again where it is loaded; the class itself is what ``type(module)`` shows, as before."""
+    import io
+    import subprocess
+    import sys
+
+    from kernelpolicy.testing import DemoModel, RMSNorm
+
+    model = kp.attach(DemoModel(8))
+    aware = type(model.norm)
+    assert aware is not RMSNorm and aware.__mro__[1] is RMSNorm
+    assert (aware.__module__, aware.__qualname__, aware.__name__) == ("kernelpolicy.testing", "RMSNorm", "RMSNorm")
+    assert pickle.loads(pickle.dumps(aware)) is aware
+    assert pickle.loads(pickle.dumps({"classes": (aware, RMSNorm)})) == {"classes": (aware, RMSNorm)}
+    saved = io.BytesIO()
+    torch.save({"class": aware, "module": model}, saved)
+    saved.seek(0)
+    loaded = torch.load(saved, weights_only=False)
+    assert loaded["class"] is aware and type(loaded["module"].norm) is aware
+    assert copy.copy(aware) is aware and copy.deepcopy([aware])[0] is aware
+    # in a process that has not made it: the aware class of the original there
+    (tmp_path / "class.pkl").write_bytes(pickle.dumps(aware))
+    check = (
+        "import pickle, sys; from kernelpolicy.testing import RMSNorm; "
+        "cls = pickle.loads(open(sys.argv[1], 'rb').read()); "
+        "assert cls is not RMSNorm and cls._kernelpolicy_original is RMSNorm and cls._kernelpolicy_aware; "
+        "norm = cls.__new__(cls); assert type(norm) is cls"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", check, str(tmp_path / "class.pkl")], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_per_policy_programs_with_aot_eager_save_an_attached_model(tmp_path: Path) -> None:
+    """docs/compile.md's example on an attached model: AOTAutograd's cache pickles the graph (torch's graph
+    pickler), whose nodes name the classes of the modules they came from."""
+    from kernelpolicy.artifacts import compile_per_policy, load_per_policy
+    from kernelpolicy.testing import DemoModel
+
+    model, x = kp.attach(DemoModel(16).eval()), torch.randn(2, 16)
+    if not hasattr(torch.compile(len, fullgraph=True), "aot_compile"):
+        pytest.skip(f"torch {torch.__version__} has no aot_compile")
+    compile_per_policy(model, (x,), policies=["prefer", "disable"], directory=tmp_path, backend="aot_eager")
+    programs = load_per_policy(tmp_path, model=model)
+    with kp.kernels_disabled():
+        torch.testing.assert_close(programs(x), model(x))

@@ -58,6 +58,24 @@ def test_prefer_runs_the_kernel_only_for_calls_its_rule_accepts(
     assert [r.levelno for r in caplog.records if REFUSED_F32 in r.getMessage()] == [logging.INFO]
 
 
+def test_a_line_the_logger_level_hides_is_not_counted_as_said(
+    norms: nn.Module, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 47 (was: the INFO line of a declined call counted as said while the level hid it, so turning INFO
+    on afterwards never showed it)."""
+    from kernelpolicy._forward._failures import _logged
+
+    _logged.discard(("RMSNorm", REFUSED_F32))
+    kp.kernel_accepts("RMSNorm", dtypes=[torch.bfloat16])
+    with caplog.at_level(logging.WARNING, logger="kernelpolicy"):  # a default set-up: INFO hidden
+        assert not kernel_ran(norms(F32))
+    assert not [r for r in caplog.records if REFUSED_F32 in r.getMessage()]
+    with caplog.at_level(logging.INFO, logger="kernelpolicy"):  # INFO turned on: said now, once
+        for _ in range(3):
+            assert not kernel_ran(norms(F32))
+    assert [r.levelno for r in caplog.records if REFUSED_F32 in r.getMessage()] == [logging.INFO]
+
+
 def test_require_names_the_argument_and_the_rule(norms: nn.Module) -> None:
     kp.kernel_accepts("RMSNorm", dtypes=[torch.bfloat16, torch.float16])
     with kp.kernel_policy("require"):

@@ -26,7 +26,11 @@ with the same name and module. That subclass:
   (:data:`FAST_CALL`);
 - deep-copies with its kernel and pickles as the original class (the kernel,
   which lives in a dynamically loaded module, is dropped, as ``kernels``
-  itself does; re-kernelize after loading): ``_copies``' members.
+  itself does; re-kernelize after loading): ``_copies``' members;
+- has a metaclass of its own (:class:`AwareType`, a subclass of the original's
+  metaclass that adds nothing), so that the class itself pickles: pickle asks
+  ``copyreg`` by the metaclass, and ``_copies`` registers there the original by
+  name, made aware again where it is loaded.
 
 The dispatcher itself is an instance attribute (``module.__dict__["forward"]``,
 a plain closure built by ``_dispatch.make_forward``), so ``module(x)`` pays no
@@ -67,15 +71,18 @@ from .._forward import _call_fold, _watch
 from .._forward._binding import BINDING, ON_CLASS_PATCH, Binding
 from .._forward._call_fold import _aware_call, _plain_call, _skip_as_dynamo_frame
 from .._forward._variants import kernel_of
+from ._class_dispatch import IN_PLACE, OVER, class_forward, hold, inside, kind_of, original_forward
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
 
 __all__ = [
+    "CLASS_TYPES",
     "KERNELIZING",
     "NO_ORIGINAL",
     "ORIGINALS",
+    "AwareType",
     "aware_modules",
     "binding_of",
     "bound_by_hand",
@@ -183,7 +190,8 @@ def _bind(module: nn.Module, assigned: Any, module_name: str | None) -> None:
     """Bind ``assigned`` (what was set as ``module.forward``) as the module's kernel, or as the variant being bound."""
     _skip_as_dynamo_frame()
     _watch.watch()
-    original = _class_forward(module)
+    _with_class_forward(type(module))
+    original, watched = original_forward(type(module))
     kernel = _kernel_function(module, assigned, original)
     kernel_class = _kernel_class(kernel)
     repository = None  # known once kernels is done binding: Binding.kernel_name asks _kernel_objects
@@ -209,6 +217,7 @@ def _bind(module: nn.Module, assigned: Any, module_name: str | None) -> None:
         kernel_class=kernel_class,
         repository=repository,
         no_original=no_original,
+        watched=watched,
         replacing=existing,  # kernelized again (train()/eval()): the variants and another library's wrapper stay
     )
     _AWARE_MODULES.setdefault(binding.layer_name, weakref.WeakSet()).add(module)
@@ -286,15 +295,17 @@ def bound_forward(module: nn.Module) -> types.MethodType | None:
     assigned = module.__dict__.get("forward")
     if not _kernels_form(assigned, module):
         return None
-    return None if assigned.__func__ is _class_forward(module) else assigned
+    function = assigned.__func__
+    return None if function is _class_forward(module) or kind_of(function) is not None else assigned
 
 
 def _kernel_function(module: nn.Module, assigned: Any, original: Callable[..., Any]) -> Callable[..., Any] | None:
     """The kernel ``assigned`` binds (called as ``kernel(module, ...)``), or None for the class's own forward."""
     if assigned is None:
         return None
-    if _kernels_form(assigned, module):
-        return None if assigned.__func__ is original else assigned.__func__
+    if _kernels_form(assigned, module):  # kernels binds the class's forward where it falls back
+        function = assigned.__func__
+        return None if function is original or kind_of(function) is not None else function
     if callable(assigned):
         bound = assigned
         return functools.wraps(bound)(lambda _module, *args, **kwargs: bound(*args, **kwargs))
@@ -302,7 +313,40 @@ def _kernel_function(module: nn.Module, assigned: Any, original: Callable[..., A
 
 
 def _class_forward(module: nn.Module) -> Callable[..., Any]:
-    return cast("Callable[..., Any]", inspect.getattr_static(type(module), "forward"))
+    """The module's original forward: its class's, past the class forwards of ``_class_dispatch``."""
+    return cast("Callable[..., Any]", original_forward(type(module))[0])
+
+
+def _dispatches(module: nn.Module, forward: types.FunctionType) -> bool:
+    """Whether ``forward``, a class forward of ``_class_dispatch`` called while FX traces, calls the module's own.
+
+    On a module bound by kernelpolicy whose class's forward it is, called from outside that module's own
+    forward (FX's trace of the module itself; not a wrapper or kernel of the module reaching its original).
+    """
+    return (
+        getattr(type(module), "forward", None) is forward
+        and binding_of(module) is not None
+        and "forward" in module.__dict__
+        and not inside(module, sys._getframe(2))  # 2: above the class forward that asks
+    )
+
+
+def _with_class_forward(cls: type[nn.Module]) -> None:
+    """Give a subclass of a class made aware in place a class forward where it defines its own forward.
+
+    An aware subclass has one from the start, and so has a class made aware in place (:func:`_make_class_aware`);
+    a subclass of the latter that defines a forward of its own gets one when its first module is bound.
+    """
+    for klass in cls.__mro__:
+        found = vars(klass).get("forward")
+        if found is None:
+            continue
+        aware_in_place = getattr(klass, "_kernelpolicy_aware", False) and "_kernelpolicy_original" not in vars(klass)
+        if kind_of(found) is None and aware_in_place:
+            made = class_forward(found, IN_PLACE, _dispatches)
+            if made is not None:
+                klass.forward = made  # type: ignore[attr-defined]
+        return
 
 
 def _kernel_class(kernel: Callable[..., Any] | None) -> type | None:
@@ -326,8 +370,45 @@ def _aware_class(cls: type[nn.Module]) -> type[nn.Module]:
             "_kernelpolicy_original": cls,
         }
         namespace.update(_aware_members(cls))
-        found = type(cls.__name__, (cls,), namespace)
+        dispatch = class_forward(getattr(cls, "forward", None), OVER, _dispatches)
+        if dispatch is not None:
+            namespace["forward"] = dispatch
+        found = _aware_type(type(cls))(cls.__name__, (cls,), namespace)
+        if dispatch is not None:
+            hold(dispatch, found)
         _AWARE_CLASSES[cls] = weakref.ref(found)
+    return found
+
+
+class AwareType(type):
+    """The metaclass of the aware classes of classes whose metaclass is ``type`` (nearly all modules).
+
+    An aware class has its original's name and module, so pickle cannot find it by name (``getattr(module,
+    qualname)`` is the original). Pickle looks up how to save a class by its metaclass in ``copyreg``'s
+    table, which ``type`` itself bypasses: so aware classes have a metaclass of their own, which
+    :data:`CLASS_TYPES` registers there (``_copies``: rebuilt from the original class, by name). It adds
+    nothing else: ``type(cls)`` is the only difference from the original's.
+    """
+
+
+# The metaclass of the original -> the metaclass of its aware classes (a subclass, see AwareType).
+_AWARE_TYPES: dict[type, type] = {type: AwareType}
+#: ``registered(metaclass)``: called for each metaclass of aware classes (:class:`AwareType` included) when it
+#: is first used (pickling an aware class: ``_copies``, which registers its reduction in ``copyreg``).
+CLASS_TYPES: list[Callable[[type], None]] = []
+_TYPES_REGISTERED: set[type] = set()
+
+
+def _aware_type(meta: type) -> type:
+    """The metaclass of aware classes made of classes of metaclass ``meta`` (``abc.ABCMeta``: a subclass of it)."""
+    found = _AWARE_TYPES.get(meta)
+    if found is None:
+        name = f"Aware{meta.__name__[:1].upper()}{meta.__name__[1:]}"
+        found = _AWARE_TYPES[meta] = type(meta)(name, (meta,), {"__module__": __name__, "__doc__": AwareType.__doc__})
+    if found not in _TYPES_REGISTERED:
+        for registered in CLASS_TYPES:
+            registered(found)
+        _TYPES_REGISTERED.add(found)
     return found
 
 
@@ -336,6 +417,13 @@ def _make_class_aware(cls: type[nn.Module]) -> None:
         return
     for name, member in _aware_members(cls).items():
         setattr(cls, name, member)
+    if "forward" in cls.__dict__:
+        _with_class_forward(cls)
+    else:  # inherited: a class forward over it, which looks it up when called (a patch above is seen)
+        dispatch = class_forward(getattr(cls, "forward", None), OVER, _dispatches)
+        if dispatch is not None:
+            hold(dispatch, cls)
+            cls.forward = dispatch
     original_init = cls.__dict__.get("__init__") or cls.__init__
 
     @functools.wraps(original_init)

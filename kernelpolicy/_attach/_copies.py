@@ -12,6 +12,7 @@ means this module (``kernelpolicy._MOVED_MODULES``).
 from __future__ import annotations
 
 import copy
+import copyreg
 import types
 from typing import TYPE_CHECKING, Any, cast
 
@@ -22,6 +23,7 @@ from ._aware import (
     _BY_HAND,
     _OURS,
     CLASS_MEMBERS,
+    CLASS_TYPES,
     _aware_class,
     _make_aware,
     _stored_binding,
@@ -60,6 +62,27 @@ def copy_members(cls: type[nn.Module]) -> dict[str, Any]:
 
 
 CLASS_MEMBERS.append(copy_members)
+
+
+def _reduce_class(cls: type) -> Any:
+    """How pickle saves a class whose metaclass is an aware class's (``copyreg``, see ``_aware.AwareType``).
+
+    An aware class: as :func:`_restore_class` of its original class, which pickles by name (so it pickles
+    wherever the original does: torch's graph pickler, ``torch.save``; ``copy`` keeps classes as they are).
+    A subclass another library made of one (torch's parametrizations): by name, as pickle saves any class.
+    """
+    original = cls.__dict__.get("_kernelpolicy_original")
+    if original is None:
+        return cls.__qualname__
+    return (_restore_class, (original,))
+
+
+def _restore_class(original: type[nn.Module]) -> type[nn.Module]:
+    """Unpickling an aware class: the aware class of ``original`` in this process (made if need be)."""
+    return _aware_class(original)
+
+
+CLASS_TYPES.append(lambda metaclass: copyreg.pickle(metaclass, _reduce_class))
 
 
 def _own_copy_members(cls: type[nn.Module]) -> dict[str, Any]:

@@ -38,7 +38,7 @@ check comes before both.
 
 from __future__ import annotations
 
-from typing import Any, Final, Literal
+from typing import TYPE_CHECKING, Any, Final, Literal
 
 import torch
 import torch.compiler as _compiler
@@ -47,7 +47,19 @@ from torch.compiler import is_dynamo_compiling as _is_dynamo
 
 from .._compat._compat import COMPILING_FLAG, EXPORTING_FLAG, FUNCTORCH_STACK, FX_TRACING, first_present, lookup
 
-__all__ = ["READERS", "TRACING_CHECK", "TRACING_NAMES", "ExecutionState", "execution_state", "in_transform"]
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+__all__ = [
+    "READERS",
+    "TRACING_CHECK",
+    "TRACING_NAMES",
+    "ExecutionState",
+    "execution_state",
+    "fx_tracing",
+    "in_transform",
+    "traced_state",
+]
 
 ExecutionState = Literal["eager", "compile", "export", "jit", "fx"]
 
@@ -87,6 +99,8 @@ _HAS_EXPORT_FLAG: Final = READERS["export"] == "_compiler._is_exporting_flag"
 _exporting = _reader(READERS["export"])
 _compiling = _reader(READERS["compile"])
 _fx_tracing = _reader(READERS["fx"])
+#: Whether FX traces (``symbolic_trace``, and non-strict export under it), in eager code: the flag alone.
+fx_tracing: Callable[[], bool] = _fx_tracing
 _get_tracing_state = torch._C._get_tracing_state  # see _compat.JIT_TRACING_STATE
 
 
@@ -111,6 +125,14 @@ def execution_state() -> ExecutionState:
     if _get_tracing_state() is not None:
         return "jit"
     return "eager"
+
+
+def traced_state() -> Literal["compile", "export"]:
+    """What TorchDynamo traces for, asked by code it calls while tracing (not traced itself).
+
+    Strict ``torch.export`` (which sets the export flag before TorchDynamo traces), else ``torch.compile``.
+    """
+    return "export" if _exporting() else "compile"
 
 
 _peek_transforms = lookup(FUNCTORCH_STACK.names[0]) if first_present(FUNCTORCH_STACK) else (lambda: None)

@@ -28,6 +28,7 @@ from .._values._errors import KernelMismatchError, KernelUnavailableError, Origi
 from .._values._exceptions import exception_types
 from .._values._policy import VARIANTS, variant_names
 from .._values._rules import RULES, KernelRule, parameter_names
+from . import _failures
 from ._called import called_name
 from ._dispatch import (
     DISABLED,
@@ -100,11 +101,15 @@ class Binding:
         "no_original",
         "original",
         "own",
+        "owner",
         "parameters",
         "replays",
         "repository",
         "stopped",
+        "traced_fallback",
         "variants",
+        "watched",
+        "watched_own",
         "wrapper",
     )
 
@@ -119,12 +124,13 @@ class Binding:
         kernel_class: type | None,
         repository: str | None,
         no_original: str | None = None,
+        watched: type | None = None,
         replacing: Binding | None = None,
     ) -> None:
         """Bind ``module``: the binding is stored on it and its forward installed (one call from ``_aware``).
 
         ``replacing``: the module's binding until now (kernelized again: ``train()``/``eval()``), whose variants
-        and other library's wrapper stay, and whose forward is redirected to the new one.
+        and other library's wrapper stay, and whose forward is redirected to the new one. ``watched``: see there.
         """
         self.module = module
         self.module_name = module_name
@@ -162,10 +168,17 @@ class Binding:
         self.wrapper: Any = None
         #: The class's forward when the module was bound: the forward asks whether it is still the class's
         #: (a patch, ``mock.patch.object(cls, "forward", ...)``, replaces it) before it runs the original.
-        self.own: Any = getattr(type(module), "forward", None)
+        self.owner: Any = type(module)
+        self.own: Any = getattr(self.owner, "forward", None)
+        #: And the forward of the class above it that the original comes from (``_aware``'s class forward
+        #: stands for it there): a patch there changes it (the module's class itself if not given).
+        self.watched: Any = type(module) if watched is None else watched
+        self.watched_own: Any = getattr(self.watched, "forward", None)
         #: What the forward recorded for recomputations in backward (activation checkpointing), see ``_replay``.
         self.replays = Replays(self)
         self.nested: bool | None = None  # policy-aware layers inside the module? (asked by a mixed call)
+        #: What the traced branch of a forward whose kernel cannot be traced calls: logs why, while traced.
+        self.traced_fallback = _failures.traced_fallback(self)
         if replacing is not None:
             self.variants = replacing.variants
             self.wrapper = replacing.wrapper
@@ -277,7 +290,9 @@ class Binding:
         self, mode: str, args: tuple[Any, ...], kwargs: dict[str, Any], state: ExecutionState | None = None
     ) -> Any:
         """Every call the fast exits of the forward closure do not take."""
-        if type(self.module).forward is not self.own and not _is_dynamo():  # the class was patched: its original
+        if (self.owner.forward is not self.own or self.watched.forward is not self.watched_own) and not (
+            _is_dynamo()
+        ):  # a class was patched: its original
             return self.patched(args, kwargs)
         if mode == MIXED:  # rows of several policies (a mixed step of continuous batching, see ``_mixing``)
             return run_mixed(self, args, kwargs)
@@ -311,13 +326,11 @@ class Binding:
                 raise
             self._record(recorders, path, reason)
             return out
-        if path == "error":
-            self._record(recorders, path, reason)
-        elif path == "kernel":
+        if path == "kernel":
             return self._run(recorders, path, reason, self.kernel, args, kwargs)  # type: ignore[arg-type]
-        else:
-            if self.kernel is not None and reason != DISABLED and not _is_dynamo():
-                log_fallback(self, reason)
+        if path == "original":
+            if self.kernel is not None and reason != DISABLED:
+                log_fallback(self, reason)  # where TorchDynamo traces too: it calls it then (see there)
             return self._run(recorders, path, reason, self.original, args, kwargs)
         if _is_dynamo():
             # Constructing or raising an exception in traced code is unsupported;
@@ -328,7 +341,9 @@ class Binding:
                 msg=unavailable_message(self.module_name, self.layer_name, self.module_class, reason) + COMPILED_FIX
             )
             _raise_unavailable(self, reason)
-        raise self.error(reason)
+        refusal = self.error(reason)
+        self._record(recorders, path, reason, refusal)  # with the class of the error raised (KernelUnavailableError)
+        raise refusal
 
     def _compiled_mode(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
         """The mode of a ``ruled`` forward's call under TorchDynamo with the kernel on, from what the program reads.
@@ -376,8 +391,7 @@ class Binding:
                 return self._run(recorders, "original", f"{FAILED} ({self.last_failure})", self.original, args, kwargs)
             self._record(recorders, path, reason)
             return out
-        if not _is_dynamo():
-            log_fallback(self, reason)
+        log_fallback(self, reason)  # where TorchDynamo traces too
         return self._run(recorders, path, reason, self.original, args, kwargs)
 
     def _run(
@@ -447,7 +461,7 @@ class Binding:
             )
             if policy.on_mismatch == "raise":
                 raise error
-            if first_time(self.layer_name, "mismatch"):
+            if first_time(self.layer_name, "mismatch", logging.WARNING):
                 logger.warning("%s (logged once per layer)", error)
         return out
 

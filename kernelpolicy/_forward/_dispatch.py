@@ -64,6 +64,9 @@ by the code after the break. It never runs the untraceable kernel silently.
 Strict ``torch.export`` traces with TorchDynamo, so it fails as
 ``fullgraph=True`` does; under non-strict export, fx and jit tracing the
 Python code runs, so the error is raised as in eager code.
+
+Nor can a traced program log: TorchDynamo calls ``_failures.log_fallback``
+while it traces (the ``traced_fallback`` cell of an untraceable kernel).
 """
 
 from __future__ import annotations
@@ -122,7 +125,13 @@ class Dispatched(Mixed, Protocol):
     @property
     def has_backward(self) -> bool: ...
     @property
+    def owner(self) -> type: ...
+    @property
     def own(self) -> Any: ...
+    @property
+    def watched(self) -> type: ...
+    @property
+    def watched_own(self) -> Any: ...
     @property
     def replays(self) -> Replays: ...
     def slow_path(
@@ -142,6 +151,8 @@ class Dispatched(Mixed, Protocol):
     ) -> Any: ...
     def refused(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None: ...
     def patched(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any: ...
+    @property
+    def traced_fallback(self) -> Callable[[], bool]: ...
 
 
 def untraceable(state: ExecutionState) -> str:
@@ -253,11 +264,11 @@ _BODIES: dict[str, str] = {
             active = in_effect()
             if {required} == "mixed":  # rows of a policy that requires a kernel: theirs fail, eagerly
                 return mixed({pack})
-            out = slow("require", {pack}) if {required} else (original(self, {call}) if persisting() or type(self).forward is own else type(self).forward(self, {call}))
+            out = slow("require", {pack}) if {required} else (original(self, {call}) if persisting() or {same} else {patch}(self, {call}))
             return checked(out, active, {name}, "r") if persisting() else out
         mode = {lookup}
         if mode == "prefer" or mode == "disable":
-            return (original(self, {call}) if type(self).forward is own else patched({pack}))
+            return (original(self, {call}) if {same} else patched({pack}))
         return slow(mode, {pack})""",
     "always_usable": """
         active = DEFAULTS.active._current
@@ -265,7 +276,7 @@ _BODIES: dict[str, str] = {
             active = in_effect()
             if {kernel_on} == "mixed":
                 return mixed({pack})
-            out = kernel(self, {call}) if {kernel_on} else (original(self, {call}) if persisting() or type(self).forward is own else type(self).forward(self, {call}))
+            out = kernel(self, {call}) if {kernel_on} else (original(self, {call}) if persisting() or {same} else {patch}(self, {call}))
             return checked(out, active, {name}, "k") if persisting() else out
         mode = {lookup}
         if active is not last:
@@ -282,7 +293,7 @@ _BODIES: dict[str, str] = {
                     raise
                 return failed(error, {pack})
         if mode == "disable":
-            return (original(self, {call}) if type(self).forward is own else patched({pack}))
+            return (original(self, {call}) if {same} else patched({pack}))
         return slow(mode, {pack})""",
     "general": """
         active = DEFAULTS.active._current
@@ -297,7 +308,9 @@ _BODIES: dict[str, str] = {
             elif not traceable and {required}:
                 out = slow("require", {pack})
             else:
-                out = (original(self, {call}) if persisting() or type(self).forward is own else type(self).forward(self, {call}))
+                if not traceable:  # one program under every mode but require: said while it is traced
+                    traced_fallback()
+                out = (original(self, {call}) if persisting() or {same} else {patch}(self, {call}))
             return checked(out, active, {name}, "kr") if persisting() else out
         mode = {lookup}
         if active is not last or (not has_backward and _grad()):
@@ -305,7 +318,7 @@ _BODIES: dict[str, str] = {
             if out is not GO_ON:
                 return out
         if mode == "disable":
-            return (original(self, {call}) if type(self).forward is own else patched({pack}))
+            return (original(self, {call}) if {same} else patched({pack}))
         if (mode == "prefer" or mode == "require") and not ({tracing}) and (
             has_backward or not (torch.is_grad_enabled() or RECOMPUTED_WITH_GRAD.get()) or not autograd_records(self, {pack})
         ):
@@ -324,7 +337,7 @@ _BODIES: dict[str, str] = {
             active = in_effect()
             if {kernel_on} == "mixed":
                 return mixed({pack})
-            out = slow(KERNEL_ON, {pack}) if {kernel_on} else (original(self, {call}) if persisting() or type(self).forward is own else type(self).forward(self, {call}))
+            out = slow(KERNEL_ON, {pack}) if {kernel_on} else (original(self, {call}) if persisting() or {same} else {patch}(self, {call}))
             return checked(out, active, {name}, "krv") if persisting() else out
         mode = {lookup}
         if active is not last or (not has_backward and _grad()):
@@ -332,7 +345,7 @@ _BODIES: dict[str, str] = {
             if out is not GO_ON:
                 return out
         if mode == "disable":
-            return (original(self, {call}) if type(self).forward is own else patched({pack}))
+            return (original(self, {call}) if {same} else patched({pack}))
         if (mode == "prefer" or mode == "require") and not ({tracing}) and (
             has_backward or not (torch.is_grad_enabled() or RECOMPUTED_WITH_GRAD.get()) or not autograd_records(self, {pack})
         ) and refused(self, {pack}) is None:
@@ -347,8 +360,13 @@ _BODIES: dict[str, str] = {
         return slow(mode, {pack})""",
 }
 _CELLS = (
-    "original, kernel, slow, unsupported, failed, has_backward, traceable, refused, replay, last, own, patched, mixed"
+    "original, kernel, slow, unsupported, failed, has_backward, traceable, refused, replay, last, owner, own, "
+    "watched, watched_own, patched, mixed, traced_fallback"
 )
+#: No class patched since binding (``Binding.own``, ``watched``); the class is a cell, since kernels >= 0.19 calls
+#: a wrapper's forward with another module as ``self``. And, in traced code, the patched forward to call.
+_SAME: Final = "(owner.forward is own and watched.forward is watched_own)"
+_PATCH: Final = "(owner.forward if owner.forward is not own else watched.forward)"
 _FACTORIES: dict[tuple[str, str, str, str, str], Callable[..., Callable[..., Any]]] = {}
 
 
@@ -393,18 +411,18 @@ def forward_source(variant: str, function: Callable[..., Any], layer_name: str) 
     variants for ``forward(self, hidden_states)``):
 
     >>> print(forward_source("without_kernel", lambda self, x: x, "Double"))  # doctest: +NORMALIZE_WHITESPACE
-    def make(original, kernel, slow, unsupported, failed, has_backward, traceable, refused, replay, last, own, patched, mixed):
+    def make(original, kernel, slow, unsupported, failed, has_backward, traceable, refused, replay, last, owner, own, watched, watched_own, patched, mixed, traced_fallback):
         def forward(self, x):
             active = DEFAULTS.active._current
             if _is_dynamo():
                 active = in_effect()
                 if active.required.Double == "mixed":  # rows of a policy that requires a kernel: theirs fail, eagerly
                     return mixed((x, ), {})
-                out = slow("require", (x, ), {}) if active.required.Double else (original(self, x) if persisting() or type(self).forward is own else type(self).forward(self, x))
+                out = slow("require", (x, ), {}) if active.required.Double else (original(self, x) if persisting() or (owner.forward is own and watched.forward is watched_own) else (owner.forward if owner.forward is not own else watched.forward)(self, x))
                 return checked(out, active, 'Double', "r") if persisting() else out
             mode = active.modes.Double
             if mode == "prefer" or mode == "disable":
-                return (original(self, x) if type(self).forward is own else patched((x, ), {}))
+                return (original(self, x) if (owner.forward is own and watched.forward is watched_own) else patched((x, ), {}))
             return slow(mode, (x, ), {})
         return forward
     """
@@ -423,6 +441,8 @@ def forward_source(variant: str, function: Callable[..., Any], layer_name: str) 
         kernel_on=entry("kernel_on"),
         required=entry("required"),
         name=repr(layer_name),
+        same=_SAME,
+        patch=_PATCH,
     )
     return f"def make({_CELLS}):\n    def forward(self, {params}):{body}\n    return forward\n"
 
@@ -469,9 +489,13 @@ def make_forward(binding: Dispatched) -> Callable[..., Any]:
         binding.refused,
         binding.replays.check,
         None,
+        binding.owner,
         binding.own,
+        binding.watched,
+        binding.watched_own,
         binding.patched,
         functools.partial(run_mixed, binding),
+        binding.traced_fallback,
     )
     forward.__qualname__ = f"kernelpolicy.{variant}.forward"
     freevars = forward.__code__.co_freevars

@@ -13,9 +13,11 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, Protocol
 
+from .._compat._attributes import DYNAMO_CONSTANT_MARK
 from .._context._active import in_effect
+from .._context._state import traced_state
 from .._values._exceptions import exception_types
-from ._dispatch import FAILED, INELIGIBLE, NO_KERNEL, USABLE, Path
+from ._dispatch import FAILED, INELIGIBLE, NO_KERNEL, USABLE, Path, untraceable
 from ._sharding import LOCAL_SHARDS, NO_SHARDING, ON_LOCAL_SHARDS, _no_sharding_strategy
 
 if TYPE_CHECKING:
@@ -33,6 +35,7 @@ __all__ = [
     "log_fallback",
     "log_once",
     "reset_failures",
+    "traced_fallback",
     "unsupported",
     "variant_failed",
 ]
@@ -166,33 +169,63 @@ def unsupported(
         return on_local_shards(binding.kernel, binding.module, args, kwargs)
     reason = f"{NO_SHARDING}: {error}"
     if mode == "require":
-        binding._record(recorders, "error", NO_SHARDING)
-        raise binding.error(reason) from error
+        refusal = binding.error(reason)
+        binding._record(recorders, "error", NO_SHARDING, refusal)
+        raise refusal from error
     log_fallback(binding, reason)
     return binding._run(recorders, "original", NO_SHARDING, binding.original, args, kwargs)
 
 
-def log_fallback(binding: Failing, reason: str) -> None:
-    """Log once per reason that the original ran instead of the bound kernel.
+def log_fallback(binding: Failing, reason: str) -> bool:
+    """Log once per reason that the original ran instead of the bound kernel (returns True).
 
     A warning where the bound kernel cannot run in a whole situation (a tracer, autograd, DTensor, a
     stopped kernel); INFO where a ``kernel_accepts`` rule declined one call, as it was declared to.
+
+    Where TorchDynamo traces (``torch.compile``, strict ``torch.export``) a program runs no Python, so it
+    cannot log: TorchDynamo calls this function itself while it traces the forward (it has
+    ``assume_constant_result``'s mark, below) and folds its True into the program, without a guard and
+    without a graph break. So the line is logged when the program is traced, once per layer and reason.
     """
     level = logging.INFO if reason.startswith(INELIGIBLE) or reason == NO_KERNEL else logging.WARNING
     log_once(binding, reason, level, f"falls back to its original forward: {reason}")
+    return True
 
 
-def first_time(layer_name: str, key: str) -> bool:
-    """Whether ``key`` of kernel layer ``layer_name`` is said now for the first time (from now on: said)."""
-    if (layer_name, key) in _logged:
+def traced_fallback(binding: Failing) -> Callable[[], bool]:
+    """What the traced branch of the binding's forward calls where its kernel cannot be traced (a cell).
+
+    :func:`log_fallback` of why, called by TorchDynamo while it traces (the same mark): that layer's one
+    program serves every mode but ``require``, so it is logged whichever policy the program is traced under.
+    """
+
+    def logged() -> bool:
+        return log_fallback(binding, untraceable(traced_state()))
+
+    setattr(logged, DYNAMO_CONSTANT_MARK, True)
+    return logged
+
+
+def first_time(layer_name: str, key: str, level: int) -> bool:
+    """Whether ``key`` of kernel layer ``layer_name``, a line at ``level``, is said now for the first time.
+
+    From now on it is said; but a line the ``kernelpolicy`` logger does not emit at its level now (INFO
+    under a default logging set-up) is not said: it is said the first time it would be shown, after
+    ``logging.getLogger("kernelpolicy").setLevel(logging.INFO)``, say.
+    """
+    if (layer_name, key) in _logged or not logger.isEnabledFor(level):
         return False
     _logged.add((layer_name, key))
     return True
 
 
 def log_once(binding: Failing, key: str, level: int, what: str) -> None:
-    """Log ``what`` of the binding's kernel layer, once per layer and ``key``."""
-    if first_time(binding.layer_name, key):
+    """Log ``what`` of the binding's kernel layer, once per layer and ``key`` (see :func:`first_time`)."""
+    if first_time(binding.layer_name, key, level):
         logger.log(
             level, "kernel layer %r (%s at %r) %s", binding.layer_name, binding.module_class, binding.module_name, what
         )
+
+
+# ``torch._dynamo.assume_constant_result``'s mark, set directly (importing TorchDynamo takes over a second).
+setattr(log_fallback, DYNAMO_CONSTANT_MARK, True)
