@@ -242,21 +242,17 @@ def decide(
     return ("error" if mode == "require" else "original"), reason
 
 
-# The four forwards, generated once per (variant, signature) with the original
-# forward's own parameters: forwarding ``*args, **kwargs`` costs more than the
-# rest of the dispatch together (measured: ~400 ns per call on CPython 3.11
-# here, against ~90 ns for a fixed-arity call). They are compiled with this
-# module's globals, so what all layers share (DEFAULTS, torch, the tracer
-# flags) has one source for TorchDynamo: no aliasing guards between layers,
-# which cost guard time and are not thread-safe in torch 2.13. What differs per
-# layer is a closure cell filled by ``_factory``.
-# Under TorchDynamo (``_is_dynamo()`` folds to a constant there) each body reads
-# only what its traced program depends on: whether the kernel is on
-# (``active.kernel_on``: any mode but ``disable``) and, where an error can be
-# due, whether it is required (``active.required``). Dynamo guards on exactly
-# those reads, so policies that spell one program differently (``prefer``,
-# ``require`` and ``verify`` on a traceable kernel; ``prefer`` and ``disable`` on
-# a layer without kernel; any mode with call recording) share one compiled graph.
+# The four forwards, generated once per (variant, signature) with the original forward's own parameters:
+# forwarding ``*args, **kwargs`` costs more than the rest of the dispatch together (measured: ~400 ns per call
+# on CPython 3.11 here, against ~90 ns for a fixed-arity call). They are compiled with this module's globals, so
+# what all layers share (DEFAULTS, torch, the tracer flags) has one source for TorchDynamo: no aliasing guards
+# between layers, which cost guard time and are not thread-safe in torch 2.13. What differs per layer is a
+# closure cell filled by ``_factory``. Under TorchDynamo (``_is_dynamo()`` folds to a constant there) each body
+# reads only what its traced program depends on: whether the kernel is on (``active.kernel_on``: any mode but
+# ``disable``) and, where an error can be due, whether it is required (``active.required``; ``"mixed"`` in a
+# mixed step's table sends the call to ``mixed``). Dynamo guards on exactly those reads, so policies that spell
+# one program differently (``prefer``, ``require`` and ``verify`` on a traceable kernel; ``prefer`` and
+# ``disable`` on a layer without kernel; any mode with call recording) share one compiled graph.
 _BODIES: dict[str, str] = {
     "without_kernel": """
         active = DEFAULTS.active._current
@@ -299,9 +295,7 @@ _BODIES: dict[str, str] = {
         active = DEFAULTS.active._current
         if _is_dynamo():
             active = in_effect()
-            if traceable and {kernel_on} == "mixed":  # untraceable: never read, one program (the original)
-                return mixed({pack})
-            if not traceable and {required} == "mixed":  # rows of a policy that requires it: theirs fail, eagerly
+            if ({kernel_on} if traceable else {required}) == "mixed":  # untraceable: kernel_on never read (one program)
                 return mixed({pack})
             if traceable and {kernel_on}:
                 out = slow("require" if {required} else "prefer", {pack})
