@@ -329,7 +329,7 @@ class Binding:
         if path == "kernel":
             return self._run(recorders, path, reason, self.kernel, args, kwargs)  # type: ignore[arg-type]
         if path == "original":
-            if self.kernel is not None and reason != DISABLED:
+            if self.kernel is not None and reason != DISABLED and (_failures.LOGS_WHILE_TRACING or not _is_dynamo()):
                 log_fallback(self, reason)  # where TorchDynamo traces too: it calls it then (see there)
             return self._run(recorders, path, reason, self.original, args, kwargs)
         if _is_dynamo():
@@ -391,7 +391,8 @@ class Binding:
                 return self._run(recorders, "original", f"{FAILED} ({self.last_failure})", self.original, args, kwargs)
             self._record(recorders, path, reason)
             return out
-        log_fallback(self, reason)  # where TorchDynamo traces too
+        if _failures.LOGS_WHILE_TRACING or not _is_dynamo():
+            log_fallback(self, reason)  # where TorchDynamo traces too
         return self._run(recorders, path, reason, self.original, args, kwargs)
 
     def _run(

@@ -13,6 +13,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, Protocol
 
+import torch
+
 from .._compat._attributes import DYNAMO_CONSTANT_MARK
 from .._context._active import in_effect
 from .._context._state import traced_state
@@ -229,3 +231,6 @@ def log_once(binding: Failing, key: str, level: int, what: str) -> None:
 
 # ``torch._dynamo.assume_constant_result``'s mark, set directly (importing TorchDynamo takes over a second).
 setattr(log_fallback, DYNAMO_CONSTANT_MARK, True)
+#: Whether traced code may call :func:`log_fallback` with a binding: TorchDynamo before torch 2.13 folds a marked
+#: function only when its arguments are constants (a binding is not); there the line comes where code runs eagerly.
+LOGS_WHILE_TRACING: bool = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 13)
