@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from .._compat._attributes import DYNAMO_CONSTANT_MARK
+from .._compat._versions import _release
 from .._context._active import in_effect
 from .._context._state import traced_state
 from .._values._exceptions import exception_types
@@ -233,4 +234,4 @@ def log_once(binding: Failing, key: str, level: int, what: str) -> None:
 setattr(log_fallback, DYNAMO_CONSTANT_MARK, True)
 #: Whether traced code may call :func:`log_fallback` with a binding: TorchDynamo before torch 2.13 folds a marked
 #: function only when its arguments are constants (a binding is not); there the line comes where code runs eagerly.
-LOGS_WHILE_TRACING: bool = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 13)
+LOGS_WHILE_TRACING: bool = _release(str(torch.__version__)) >= (2, 13)
