@@ -46,10 +46,9 @@ from ._dispatch import (
 )
 from ._failures import failed, first_time, log_fallback, log_once, reset_failures, unsupported, variant_failed
 from ._mixing import run_mixed
-from ._persisted import checked, persisting  # noqa: F401 - read by the generated forwards
+from ._persisted import checked, define, persisting  # noqa: F401 - checked, persisting: read by the generated forwards
 from ._replay import Replays
 from ._variants import Kernel, choose, kernel_named
-from ._verify import run_and_compare
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -132,6 +131,7 @@ class Binding:
         ``replacing``: the module's binding until now (kernelized again: ``train()``/``eval()``), whose variants
         and other library's wrapper stay, and whose forward is redirected to the new one. ``watched``: see there.
         """
+        define()  # the op a persisted program checks its policy with: see _persisted
         self.module = module
         self.module_name = module_name
         self.layer_name = layer_name
@@ -444,6 +444,8 @@ class Binding:
                 reference, reference_name = found.function, f"variant {named!r}"
             else:
                 log_once(self, f"no {named}", logging.WARNING, f"has no variant {named!r}: compared with its original")
+        from ._verify import run_and_compare  # on the first verify call, not in import kernelpolicy (~1 ms)
+
         out, mismatch = run_and_compare(
             self.module, reference, kernel, args, kwargs, rtol=policy.rtol, atol=policy.atol
         )

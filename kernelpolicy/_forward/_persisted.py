@@ -22,9 +22,10 @@ loaded it, the op compares them with the policy in effect in the calling thread 
 (about 5 us on this machine's CPU) per layer name and compiled frame at each call, in persisted programs only.
 Programs compiled for this process alone never contain it.
 
-The op is registered when kernelpolicy's dispatch loads (about 0.3 ms), so a process that builds
-policy-aware layers can run a loaded program; a process without kernelpolicy cannot (torch names the
-missing ``kernelpolicy::policy_check``).
+The op is registered with the first :class:`~kernelpolicy._forward._binding.Binding` (:func:`define`), so a
+process that builds policy-aware layers can run a loaded program; a process without them cannot (torch names
+the missing ``kernelpolicy::policy_check``). Not at import: torch's ``register_fake`` asks ``inspect`` for its
+caller's module, a walk of ``sys.modules`` that cost 2-10 ms of ``import kernelpolicy`` on this machine.
 """
 
 from __future__ import annotations
@@ -46,20 +47,12 @@ if TYPE_CHECKING:
 
     from .._context._active import Active
 
-__all__ = ["OP", "checked", "persisting"]
+__all__ = ["OP", "checked", "define", "persisting"]
 
 #: The op's qualified name.
 OP: Final = "kernelpolicy::policy_check"
 #: Which of the layer's facts a traced branch read: its kernel on (``k``), required (``r``), variant (``v``).
 READS: Final = {"k": "kernel on", "r": "kernel required", "v": "variant entry"}
-
-# Through Any: torch.library's Library is untyped in some releases and typed in others (mypy strict on each).
-_torch_library: Any = torch.library
-_LIBRARY = _torch_library.Library("kernelpolicy", "FRAGMENT")
-_LIBRARY.define(
-    "policy_check(Tensor anchor, str layer, str reads, bool kernel_on, bool required, str variant, str traced)"
-    " -> Tensor"
-)
 
 
 def _check(
@@ -89,8 +82,19 @@ def _fake(
     return anchor.new_empty(())
 
 
-_LIBRARY.impl("policy_check", _check, "CompositeExplicitAutograd")
-_torch_library.register_fake(OP, _fake, lib=_LIBRARY)
+@functools.cache
+def define() -> Any:
+    """Register the op and its kernels (once; called by each new binding), and return its library."""
+    # Through Any: torch.library's Library is untyped in some releases and typed in others (mypy strict on each).
+    torch_library: Any = torch.library
+    library = torch_library.Library("kernelpolicy", "FRAGMENT")
+    library.define(
+        "policy_check(Tensor anchor, str layer, str reads, bool kernel_on, bool required, str variant, str traced)"
+        " -> Tensor"
+    )
+    library.impl("policy_check", _check, "CompositeExplicitAutograd")
+    torch_library.register_fake(OP, _fake, lib=library)
+    return library
 
 
 def persisting() -> bool:
