@@ -274,25 +274,21 @@ _UNTRACED: list[Callable[[Mixed, Members, tuple[Any, ...], dict[str, Any]], Any]
 _WRITES: weakref.WeakKeyDictionary[nn.Module, dict[Any, bool]] = weakref.WeakKeyDictionary()
 
 
-def _path(binding: Mixed, group: Group) -> Any:
-    policy = group.policies[0]
-    return policy if binding.has_aware_children() else (policy.entry_for(binding.layer_name), policy.options)
-
-
 def _writes(binding: Mixed, group: Group) -> bool:
     """Whether ``group``'s path gets clones of the caller's tensors: unless it was seen not to write them."""
-    return _WRITES.get(binding.module, {}).get(_path(binding, group), True)
+    seen = _WRITES.get(binding.module)
+    return True if seen is None else seen.get(group.path, True)
 
 
-def _seen(binding: Mixed, group: Group, call: GroupInputs, mark: int) -> None:
+def _seen(binding: Mixed, group: Group, call: GroupInputs, mark: int, cloned: bool) -> None:
     """Remember whether ``group``'s path wrote its inputs; one given the caller's own that wrote: run apart."""
-    seen = _WRITES.setdefault(binding.module, {})
     try:
-        call.wrote_shared(mark)
+        wrote = call.wrote(mark)
     except UnsplittableCall:
-        seen[_path(binding, group)] = True
+        _WRITES.setdefault(binding.module, {})[group.path] = True
         raise
-    seen[_path(binding, group)] = call.wrote(mark)
+    if cloned:  # the first calls of a path (or one seen writing): what it does now is what it is seen doing
+        _WRITES.setdefault(binding.module, {})[group.path] = wrote
 
 
 def _joined_groups(name: str, count: int, groups: list[Group], ran: list[tuple[torch.Tensor | None, Any]]) -> Any:
@@ -313,10 +309,11 @@ def _run_group(binding: Mixed, group: Group, call: GroupInputs) -> tuple[torch.T
             held.calls.clear()
             mark = len(call.written)
             try:
-                args, kwargs = call.own(own_rows, True, _writes(binding, group))
+                cloned = _writes(binding, group)
+                args, kwargs = call.own(own_rows, True, cloned)
                 with scope:
                     output = binding.dispatcher(*args, **kwargs)
-                _seen(binding, group, call, mark)
+                _seen(binding, group, call, mark, cloned)
             except UnsplittableCall:
                 raise
             except Exception:  # noqa: BLE001  # retried below on its own rows, where it stands or is raised
@@ -331,9 +328,10 @@ def _run_group(binding: Mixed, group: Group, call: GroupInputs) -> tuple[torch.T
         with group.scope:
             if index is None:
                 mark = len(call.written)
-                args, kwargs = call.own(own_rows, True, _writes(binding, group))
+                cloned = _writes(binding, group)
+                args, kwargs = call.own(own_rows, True, cloned)
                 output = binding.dispatcher(*args, **kwargs)
-                _seen(binding, group, call, mark)
+                _seen(binding, group, call, mark, cloned)
                 return None, output
             args, kwargs = call.own(index, False)
             return index, binding.dispatcher(*args, **kwargs)

@@ -89,6 +89,11 @@ class Group(NamedTuple):
     recorders: tuple[Any, ...]
     #: For a group that runs on every row of a layer by token: the scope of that attempt, whose calls are held.
     attempt: tuple[Any, Held] | None
+    #: What its path is (entry and options, or its policy where the layer has policy-aware layers inside): the key
+    #: of what the path was seen writing (``_mixing._WRITES``).
+    path: Any = None
+    #: ``mask`` shaped to select along an output's row axis, per (the output's dimensions, its row axis).
+    views: dict[tuple[int, int], torch.Tensor] | None = None
 
 
 @final
@@ -104,6 +109,7 @@ class Step:
 
     __slots__ = (
         "_plans",
+        "_rows_of",
         "capacity",
         "device",
         "free",
@@ -129,7 +135,11 @@ class Step:
         self.recorders: dict[int, tuple[Any, ...]] = {}
         #: The table of each set of slots served together (their owner: this step), the most recent last.
         self.tables: dict[tuple[tuple[int, ...], bool], Active] = {}
-        self._plans: dict[tuple[str, bool, bool, tuple[int, ...]], list[Group]] = {}
+        #: The groups of each layer's calls (:meth:`plan`), kept while the step's rows, their slots' policies and
+        #: the recorders stay (a decode step is most often its predecessor's rows again).
+        self._plans: dict[tuple[Any, ...], list[Group]] = {}
+        #: Per set of slots, its rows in this step: a mask and their positions (on the device), kept while the rows are.
+        self._rows_of: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def slot(self, policy: Policy) -> int:
         """The slot of ``policy``: its own while it has one, else a free one, else a new one."""
@@ -145,6 +155,7 @@ class Step:
                     self.capacity *= 2
                     self.tables.clear()  # their per-slot tensors are too short now
             self.slot_of[policy] = found
+            self._plans.clear()  # a slot's policy changed: its groups may
         return found
 
     def release(self, alive: Collection[Policy]) -> None:
@@ -155,12 +166,17 @@ class Step:
         for slot in gone:
             del self.slot_of[self.policies[slot]]
         self.free.extend(sorted(gone, reverse=True))
+        self._plans.clear()
         self.tables = {key: table for key, table in self.tables.items() if gone.isdisjoint(key[0])}
 
     def begin(self, rows: torch.Tensor, host_rows: list[int], recorders: dict[int, tuple[Any, ...]]) -> None:
         """A new step: its rows' slots (device and host) and the recorders of each slot's requests."""
+        same = host_rows == self.host_rows
+        if not same:
+            self._rows_of.clear()
+        if not same or recorders != self.recorders:
+            self._plans.clear()
         self.rows, self.host_rows, self.recorders = rows, host_rows, recorders
-        self._plans.clear()
 
     def table(self, slots: tuple[int, ...], recording: bool) -> Active:
         """The table of a step serving the policies of ``slots`` (two or more), made once per set while they last."""
@@ -174,10 +190,10 @@ class Step:
         return found
 
     def plan(self, binding: Mixed, members: Members, rows: Rows) -> list[Group]:
-        """The groups of rows of ``binding``'s layer in this step (cached per layer for the step)."""
+        """The groups of rows of ``binding``'s layer in this step (kept while the step's rows are, see ``_plans``)."""
         nested = binding.has_aware_children()
         without_kernel = binding.kernel is None and not binding.variants
-        key = (binding.layer_name, nested, without_kernel, members.slots)
+        key = (binding.layer_name, nested, without_kernel, members.slots, rows)
         found = self._plans.get(key)
         if found is not None:
             return found
@@ -193,12 +209,8 @@ class Step:
                 path = "original"
             keyed.setdefault(path, []).append(slot)
         groups = []
-        positions = torch.arange(len(self.host_rows))
-        host = torch.tensor(self.host_rows, dtype=torch.long)
         for slots in keyed.values():
-            chosen = torch.zeros(len(self.policies), dtype=torch.bool)
-            chosen[slots] = True
-            host_mask = chosen[host]
+            mask, own_rows = self.rows_of(tuple(slots))
             recorders = tuple(dict.fromkeys(r for slot in slots for r in self.recorders.get(slot, ())))
             policy = self.policies[slots[0]]
             # A group runs on its own rows where the join splits, and where running on others' rows would cost
@@ -207,7 +219,6 @@ class Step:
                 rows.by == "token"
                 and (bool(policy.fallback_on) or (policy.mode_for(name) == "verify" and not without_kernel))
             )
-            own_rows = positions[host_mask].to(self.device)
             index = own_rows if own else None
             scope = _recording_scope(policy, recording=bool(recorders), recorders=recorders)
             attempt = None
@@ -215,9 +226,23 @@ class Step:
                 held = Held()
                 attempt = (_recording_scope(policy, recording=bool(recorders), recorders=(held,)), held)
             policies = tuple(self.policies[s] for s in slots)
-            groups.append(Group(scope, policies, host_mask.to(self.device), index, own_rows, recorders, attempt))
+            written = policy if nested else (policy.entry_for(name), policy.options)
+            groups.append(Group(scope, policies, mask, index, own_rows, recorders, attempt, written, {}))
         self._plans[key] = groups
         return groups
+
+    def rows_of(self, slots: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows of ``slots`` in this step: a mask of the step's rows and their positions (on the device)."""
+        found = self._rows_of.get(slots)
+        if found is None:
+            chosen = set(slots)
+            mask = [slot in chosen for slot in self.host_rows]
+            positions = [i for i, on in enumerate(mask) if on]
+            found = self._rows_of[slots] = (
+                torch.tensor(mask, dtype=torch.bool, device=self.device),
+                torch.tensor(positions, dtype=torch.long, device=self.device),
+            )
+        return found
 
 
 @final
