@@ -13,17 +13,18 @@ from typing import TYPE_CHECKING, Any, Final, Literal, NamedTuple, Protocol, fin
 
 import torch
 
-from .._context._active import Active, activate_mixed, known_layers
+from .._context._active import _SCOPED, DEFAULTS, RECORDERS, Active, activate_mixed, known_layers
 from .._context._scope import _recording_scope
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Collection, Mapping
+    from contextvars import Token
 
     from torch import nn
 
     from .._values._policy import Policy
 
-__all__ = ["Group", "Held", "Join", "Kind", "Members", "Mixed", "Rows", "Step"]
+__all__ = ["Group", "GroupScope", "Held", "Join", "Kind", "Members", "Mixed", "Rows", "Step"]
 
 Kind = Literal["token", "request"]
 Join = Literal["select", "split"]
@@ -80,15 +81,40 @@ class Held:
         self.calls.append(call)
 
 
+class GroupScope:
+    """A group's policy and recorders in effect for its calls: ``kernel_policy(policy)`` (checked and resolved as it
+    is) once for the step's plan, since a group's call is always entered in the step's table and records as the
+    group does; entering it then sets two context variables. Re-entrant (a layer called inside itself)."""
+
+    __slots__ = ("_active", "_scope", "_tokens", "recorders")
+
+    def __init__(self, policy: Policy, recording: bool, recorders: tuple[Any, ...]) -> None:
+        self._scope = _recording_scope(policy, recording=recording, recorders=recorders)
+        self.recorders = recorders
+        self._active: Active | None = None
+        self._tokens: list[tuple[Token[Active], Token[tuple[Any, ...]]]] = []
+
+    def __enter__(self) -> None:
+        active = self._active
+        if active is None:
+            active = self._active = self._scope.entered(DEFAULTS.active._current)
+        self._tokens.append((_SCOPED.set(active), RECORDERS.set(self.recorders)))
+
+    def __exit__(self, *exc_info: object) -> None:
+        scoped, recorders = self._tokens.pop()
+        RECORDERS.reset(recorders)
+        _SCOPED.reset(scoped)
+
+
 class Group(NamedTuple):
-    scope: Any  # the scope of the group's first policy (they agree on the layer), with the group's recorders
+    scope: GroupScope  # the scope of the group's first policy (they agree on the layer), with the group's recorders
     policies: tuple[Policy, ...]
     mask: torch.Tensor  # (rows,) bool: the group's rows
     rows: torch.Tensor | None  # the group's rows, where it runs on them only (a split join, or fallback_on)
     own: torch.Tensor  # the group's rows, always (what its path may write back)
     recorders: tuple[Any, ...]
     #: For a group that runs on every row of a layer by token: the scope of that attempt, whose calls are held.
-    attempt: tuple[Any, Held] | None
+    attempt: tuple[GroupScope, Held] | None
     #: What its path is (entry and options, or its policy where the layer has policy-aware layers inside): the key
     #: of what the path was seen writing (``_mixing._WRITES``).
     path: Any = None
@@ -220,11 +246,11 @@ class Step:
                 and (bool(policy.fallback_on) or (policy.mode_for(name) == "verify" and not without_kernel))
             )
             index = own_rows if own else None
-            scope = _recording_scope(policy, recording=bool(recorders), recorders=recorders)
+            scope = GroupScope(policy, bool(recorders), recorders)
             attempt = None
             if not own and rows.by == "token":
                 held = Held()
-                attempt = (_recording_scope(policy, recording=bool(recorders), recorders=(held,)), held)
+                attempt = (GroupScope(policy, bool(recorders), (held,)), held)
             policies = tuple(self.policies[s] for s in slots)
             written = policy if nested else (policy.entry_for(name), policy.options)
             groups.append(Group(scope, policies, mask, index, own_rows, recorders, attempt, written, {}))
