@@ -4,7 +4,10 @@ This module owns :class:`Step` (one per batching manager: each row's slot as a t
 compiled program serves every mix; a slot is a policy's while requests of it are in flight), :class:`Members` (what
 a mixed step's table carries: the policies served together, per layer whose slots have the kernel on and which entry
 each slot's policy gives), the row declarations' type :class:`Rows`, and :meth:`Step.plan`, the groups of rows of a
-mixed call (the policies that agree on the layer) with the scope each runs in.
+mixed call (the policies that agree on the layer) with the scope each runs in (:class:`GroupScope`). A step's groups
+are made at its first call of each layer and kept for the steps after it while its rows, their slots' policies and
+their recorders stay the same (a decode step is most often its predecessor's rows again): a mixed call then pays
+for no mask, index or scope of its own.
 """
 
 from __future__ import annotations
