@@ -530,3 +530,35 @@ def test_a_path_seen_not_to_write_its_inputs_shares_them_until_it_does(
         x = torch.ones(3, 1)
         torch.testing.assert_close(layer(x), expected)  # cloned again
         assert torch.equal(x, torch.tensor([[3.0], [1.0], [3.0]]))  # written on its own rows only, as alone
+
+
+def test_a_steps_groups_are_kept_while_its_rows_are_and_follow_a_slots_new_policy(
+    model: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The groups of a step's calls are kept for the next step with the same rows (a decode step), and made again
+    when a slot's policy, the rows, their recorders or the layer's join change."""
+    monkeypatch.setitem(_mixing.ROWS, "MixOuter", _mixing.Rows("token"))
+    monkeypatch.setitem(_mixing.ROWS, "MixInner", _mixing.Rows("token"))
+    step = _mixing.Step(torch.device("cpu"))
+    for policy in POLICIES[:2]:
+        step.slot(policy)
+    owners = [0, 1, 1, 0]
+    x = torch.randn(1, len(owners), HIDDEN, generator=torch.Generator().manual_seed(1))
+
+    def run(slots: list[int]) -> torch.Tensor:
+        step.begin(torch.tensor(slots), list(slots), {})
+        with _mixing.mixed_scope(step.table(tuple(sorted(set(slots))), False), ()):
+            return model(x)  # type: ignore[no-any-return]
+
+    torch.testing.assert_close(run(owners), alone(model, x, owners))
+    kept = dict(step._plans)
+    torch.testing.assert_close(run(owners), alone(model, x, owners))
+    assert step._plans == kept and all(step._plans[key] is kept[key] for key in kept)  # the same rows: kept
+    step.release({POLICIES[0]})
+    assert step.slot(POLICIES[2]) == 1  # slot 1 now serves another policy, the rows the same
+    torch.testing.assert_close(run(owners), alone(model, x, [0, 2, 2, 0]))
+    other = [1, 0, 0, 1]
+    torch.testing.assert_close(run(other), alone(model, x, [2, 0, 0, 2]))
+    monkeypatch.setitem(_mixing.ROWS, "MixOuter", _mixing.Rows("token", join="split"))
+    torch.testing.assert_close(run(other), alone(model, x, [2, 0, 0, 2]))
+    assert any(group.rows is not None for groups in step._plans.values() for group in groups)  # split: own rows

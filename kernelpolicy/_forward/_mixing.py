@@ -38,11 +38,10 @@ import torch
 from torch.compiler import is_dynamo_compiling as _is_dynamo
 
 from .._context._active import _SCOPED, RECORDERS, Active, in_effect, known_layers
-from .._context._scope import _recording_scope
 from .._values._errors import PolicyError
 from .._values._policy import VARIANTS
 from ._row_join import GroupInputs, UnsplittableCall, joined, row_axis, shows_rows
-from ._step import Group, Join, Kind, Members, Mixed, Rows, Step
+from ._step import Group, GroupScope, Join, Kind, Members, Mixed, Rows, Step
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Collection, Iterator
@@ -213,10 +212,7 @@ def _run_eager(binding: Mixed, members: Members, args: tuple[Any, ...], kwargs: 
         # of one): every group on every row instead, joined by mask. Their calls were recorded the first time.
         call.discard(0)
         groups = [
-            group._replace(
-                rows=None, attempt=None, scope=_recording_scope(group.policies[0], recording=False, recorders=())
-            )
-            for group in groups
+            group._replace(rows=None, attempt=None, scope=GroupScope(group.policies[0], False, ())) for group in groups
         ]
         out = _joined_groups(name, count, groups, [_run_group(binding, group, call) for group in groups])
     call.write_back()
@@ -274,34 +270,52 @@ _UNTRACED: list[Callable[[Mixed, Members, tuple[Any, ...], dict[str, Any]], Any]
 _WRITES: weakref.WeakKeyDictionary[nn.Module, dict[Any, bool]] = weakref.WeakKeyDictionary()
 
 
-def _path(binding: Mixed, group: Group) -> Any:
-    policy = group.policies[0]
-    return policy if binding.has_aware_children() else (policy.entry_for(binding.layer_name), policy.options)
-
-
 def _writes(binding: Mixed, group: Group) -> bool:
     """Whether ``group``'s path gets clones of the caller's tensors: unless it was seen not to write them."""
-    return _WRITES.get(binding.module, {}).get(_path(binding, group), True)
+    seen = _WRITES.get(binding.module)
+    return True if seen is None else seen.get(group.path, True)
 
 
-def _seen(binding: Mixed, group: Group, call: GroupInputs, mark: int) -> None:
+def _seen(binding: Mixed, group: Group, call: GroupInputs, mark: int, cloned: bool) -> None:
     """Remember whether ``group``'s path wrote its inputs; one given the caller's own that wrote: run apart."""
-    seen = _WRITES.setdefault(binding.module, {})
     try:
-        call.wrote_shared(mark)
+        wrote = call.wrote(mark)
     except UnsplittableCall:
-        seen[_path(binding, group)] = True
+        _WRITES.setdefault(binding.module, {})[group.path] = True
         raise
-    seen[_path(binding, group)] = call.wrote(mark)
+    if cloned:  # the first calls of a path (or one seen writing): what it does now is what it is seen doing
+        _WRITES.setdefault(binding.module, {})[group.path] = wrote
 
 
 def _joined_groups(name: str, count: int, groups: list[Group], ran: list[tuple[torch.Tensor | None, Any]]) -> Any:
     """The outputs of a mixed call's groups, joined per row (see :func:`_joined`)."""
+    last = ran[-1][1]
+    if isinstance(last, torch.Tensor) and all(index is None for index, _ in ran):
+        # Tensors of every row (a select join): each group's rows by its mask, shaped once per output shape.
+        shape = last.shape
+        if all(isinstance(output, torch.Tensor) and output.shape == shape for _, output in ran):
+            axis = row_axis(last, count, name)
+            if axis is not None:
+                out = last
+                for group, (_, output) in zip(groups[-2::-1], ran[-2::-1], strict=True):
+                    out = torch.where(_mask_along(group, len(shape), axis), output, out)
+                return out
     whole = [(group.mask, output) for group, (index, output) in zip(groups, ran, strict=True) if index is None]
     parts = [(index, output) for index, output in ran if index is not None]
     if not whole:
         return joined(name, count, [], parts)
     return joined(name, count, [*whole[:-1], (None, whole[-1][1])], parts)
+
+
+def _mask_along(group: Group, dims: int, axis: int) -> torch.Tensor:
+    """``group``'s mask shaped to select along ``axis`` of a tensor of ``dims`` dimensions (made once per plan)."""
+    assert group.views is not None
+    found = group.views.get((dims, axis))
+    if found is None:
+        shape = [1] * dims
+        shape[axis] = group.mask.shape[0]
+        found = group.views[dims, axis] = group.mask.view(shape)
+    return found
 
 
 def _run_group(binding: Mixed, group: Group, call: GroupInputs) -> tuple[torch.Tensor | None, Any]:
@@ -313,10 +327,11 @@ def _run_group(binding: Mixed, group: Group, call: GroupInputs) -> tuple[torch.T
             held.calls.clear()
             mark = len(call.written)
             try:
-                args, kwargs = call.own(own_rows, True, _writes(binding, group))
+                cloned = _writes(binding, group)
+                args, kwargs = call.own(own_rows, True, cloned)
                 with scope:
                     output = binding.dispatcher(*args, **kwargs)
-                _seen(binding, group, call, mark)
+                _seen(binding, group, call, mark, cloned)
             except UnsplittableCall:
                 raise
             except Exception:  # noqa: BLE001  # retried below on its own rows, where it stands or is raised
@@ -331,9 +346,10 @@ def _run_group(binding: Mixed, group: Group, call: GroupInputs) -> tuple[torch.T
         with group.scope:
             if index is None:
                 mark = len(call.written)
-                args, kwargs = call.own(own_rows, True, _writes(binding, group))
+                cloned = _writes(binding, group)
+                args, kwargs = call.own(own_rows, True, cloned)
                 output = binding.dispatcher(*args, **kwargs)
-                _seen(binding, group, call, mark)
+                _seen(binding, group, call, mark, cloned)
                 return None, output
             args, kwargs = call.own(index, False)
             return index, binding.dispatcher(*args, **kwargs)

@@ -59,10 +59,11 @@ def shows_rows(value: Any, count: int) -> bool:
 class GroupInputs:
     """The arguments of one mixed call as each group gets them (clones, or its own rows), and what each path wrote."""
 
-    __slots__ = ("args", "count", "kwargs", "name", "written")
+    __slots__ = ("_shown", "args", "count", "kwargs", "name", "written")
 
     def __init__(self, name: str, count: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self.name, self.count, self.args, self.kwargs = name, count, args, kwargs
+        self._shown: list[torch.Tensor] | None = None  # the tensors that hold the step's rows, found once
         #: Per copy of a caller's tensor: (the tensor, the copy, the copy's version when made, the group's rows,
         #: whether the copy holds every row).
         self.written: list[tuple[torch.Tensor, torch.Tensor, int, torch.Tensor, bool]] = []
@@ -73,6 +74,11 @@ class GroupInputs:
         ``clone`` False (every row, a path seen not to write its inputs): the caller's tensors themselves, whose
         versions :meth:`wrote_shared` checks after the group ran.
         """
+        if every_row and not clone:  # the structure as it is: only the versions of its tensors with rows are kept
+            if self._shown is None:
+                self._shown = [t for t in tensors_in((self.args, self.kwargs)) if self.count in t.shape]
+            self.written += [(tensor, tensor, tensor._version, rows, True) for tensor in self._shown]
+            return self.args, self.kwargs
 
         def copy(tensor: torch.Tensor) -> torch.Tensor:
             if self.count not in tensor.shape:
@@ -88,8 +94,17 @@ class GroupInputs:
         return map_tensors(self.args, copy), map_tensors(self.kwargs, copy)
 
     def wrote(self, mark: int) -> bool:
-        """Whether the group whose inputs were made since ``mark`` wrote one of them in place."""
-        return any(made._version != version for _, made, version, _, _ in self.written[mark:])
+        """Whether the group whose inputs were made since ``mark`` wrote one of them in place.
+
+        :class:`UnsplittableCall` if it wrote one of the caller's own tensors it was given (see :meth:`wrote_shared`).
+        """
+        wrote = False
+        for tensor, made, version, _, _ in self.written[mark:]:
+            if made._version != version:
+                if made is tensor:
+                    raise UnsplittableCall(self.name, "a path wrote in place the inputs it shared", None, again=True)
+                wrote = True
+        return wrote
 
     def wrote_shared(self, mark: int) -> None:
         """:class:`UnsplittableCall` if the group given the caller's own tensors since ``mark`` wrote one of them:

@@ -4,7 +4,10 @@ This module owns :class:`Step` (one per batching manager: each row's slot as a t
 compiled program serves every mix; a slot is a policy's while requests of it are in flight), :class:`Members` (what
 a mixed step's table carries: the policies served together, per layer whose slots have the kernel on and which entry
 each slot's policy gives), the row declarations' type :class:`Rows`, and :meth:`Step.plan`, the groups of rows of a
-mixed call (the policies that agree on the layer) with the scope each runs in.
+mixed call (the policies that agree on the layer) with the scope each runs in (:class:`GroupScope`). A step's groups
+are made at its first call of each layer and kept for the steps after it while its rows, their slots' policies and
+their recorders stay the same (a decode step is most often its predecessor's rows again): a mixed call then pays
+for no mask, index or scope of its own.
 """
 
 from __future__ import annotations
@@ -13,17 +16,18 @@ from typing import TYPE_CHECKING, Any, Final, Literal, NamedTuple, Protocol, fin
 
 import torch
 
-from .._context._active import Active, activate_mixed, known_layers
+from .._context._active import _SCOPED, DEFAULTS, RECORDERS, Active, activate_mixed, known_layers
 from .._context._scope import _recording_scope
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Collection, Mapping
+    from contextvars import Token
 
     from torch import nn
 
     from .._values._policy import Policy
 
-__all__ = ["Group", "Held", "Join", "Kind", "Members", "Mixed", "Rows", "Step"]
+__all__ = ["Group", "GroupScope", "Held", "Join", "Kind", "Members", "Mixed", "Rows", "Step"]
 
 Kind = Literal["token", "request"]
 Join = Literal["select", "split"]
@@ -80,15 +84,45 @@ class Held:
         self.calls.append(call)
 
 
+class GroupScope:
+    """A group's policy and recorders in effect for its calls: ``kernel_policy(policy)`` (checked and resolved as it
+    is) once for the step's plan, since a group's call is always entered in the step's table and records as the
+    group does; entering it then sets two context variables. Re-entrant (a layer called inside itself)."""
+
+    __slots__ = ("_active", "_scope", "_tokens", "recorders")
+
+    def __init__(self, policy: Policy, recording: bool, recorders: tuple[Any, ...]) -> None:
+        self._scope = _recording_scope(policy, recording=recording, recorders=recorders)
+        self.recorders = recorders
+        self._active: Active | None = None
+        self._tokens: list[tuple[Token[Active], Token[tuple[Any, ...]]]] = []
+
+    def __enter__(self) -> None:
+        active = self._active
+        if active is None:
+            active = self._active = self._scope.entered(DEFAULTS.active._current)
+        self._tokens.append((_SCOPED.set(active), RECORDERS.set(self.recorders)))
+
+    def __exit__(self, *exc_info: object) -> None:
+        scoped, recorders = self._tokens.pop()
+        RECORDERS.reset(recorders)
+        _SCOPED.reset(scoped)
+
+
 class Group(NamedTuple):
-    scope: Any  # the scope of the group's first policy (they agree on the layer), with the group's recorders
+    scope: GroupScope  # the scope of the group's first policy (they agree on the layer), with the group's recorders
     policies: tuple[Policy, ...]
     mask: torch.Tensor  # (rows,) bool: the group's rows
     rows: torch.Tensor | None  # the group's rows, where it runs on them only (a split join, or fallback_on)
     own: torch.Tensor  # the group's rows, always (what its path may write back)
     recorders: tuple[Any, ...]
     #: For a group that runs on every row of a layer by token: the scope of that attempt, whose calls are held.
-    attempt: tuple[Any, Held] | None
+    attempt: tuple[GroupScope, Held] | None
+    #: What its path is (entry and options, or its policy where the layer has policy-aware layers inside): the key
+    #: of what the path was seen writing (``_mixing._WRITES``).
+    path: Any = None
+    #: ``mask`` shaped to select along an output's row axis, per (the output's dimensions, its row axis).
+    views: dict[tuple[int, int], torch.Tensor] | None = None
 
 
 @final
@@ -104,6 +138,7 @@ class Step:
 
     __slots__ = (
         "_plans",
+        "_rows_of",
         "capacity",
         "device",
         "free",
@@ -129,7 +164,11 @@ class Step:
         self.recorders: dict[int, tuple[Any, ...]] = {}
         #: The table of each set of slots served together (their owner: this step), the most recent last.
         self.tables: dict[tuple[tuple[int, ...], bool], Active] = {}
-        self._plans: dict[tuple[str, bool, bool, tuple[int, ...]], list[Group]] = {}
+        #: The groups of each layer's calls (:meth:`plan`), kept while the step's rows, their slots' policies and
+        #: the recorders stay (a decode step is most often its predecessor's rows again).
+        self._plans: dict[tuple[Any, ...], list[Group]] = {}
+        #: Per set of slots, its rows in this step: a mask and their positions (on the device), kept while the rows are.
+        self._rows_of: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def slot(self, policy: Policy) -> int:
         """The slot of ``policy``: its own while it has one, else a free one, else a new one."""
@@ -145,6 +184,7 @@ class Step:
                     self.capacity *= 2
                     self.tables.clear()  # their per-slot tensors are too short now
             self.slot_of[policy] = found
+            self._plans.clear()  # a slot's policy changed: its groups may
         return found
 
     def release(self, alive: Collection[Policy]) -> None:
@@ -155,12 +195,17 @@ class Step:
         for slot in gone:
             del self.slot_of[self.policies[slot]]
         self.free.extend(sorted(gone, reverse=True))
+        self._plans.clear()
         self.tables = {key: table for key, table in self.tables.items() if gone.isdisjoint(key[0])}
 
     def begin(self, rows: torch.Tensor, host_rows: list[int], recorders: dict[int, tuple[Any, ...]]) -> None:
         """A new step: its rows' slots (device and host) and the recorders of each slot's requests."""
+        same = host_rows == self.host_rows
+        if not same:
+            self._rows_of.clear()
+        if not same or recorders != self.recorders:
+            self._plans.clear()
         self.rows, self.host_rows, self.recorders = rows, host_rows, recorders
-        self._plans.clear()
 
     def table(self, slots: tuple[int, ...], recording: bool) -> Active:
         """The table of a step serving the policies of ``slots`` (two or more), made once per set while they last."""
@@ -174,10 +219,10 @@ class Step:
         return found
 
     def plan(self, binding: Mixed, members: Members, rows: Rows) -> list[Group]:
-        """The groups of rows of ``binding``'s layer in this step (cached per layer for the step)."""
+        """The groups of rows of ``binding``'s layer in this step (kept while the step's rows are, see ``_plans``)."""
         nested = binding.has_aware_children()
         without_kernel = binding.kernel is None and not binding.variants
-        key = (binding.layer_name, nested, without_kernel, members.slots)
+        key = (binding.layer_name, nested, without_kernel, members.slots, rows)
         found = self._plans.get(key)
         if found is not None:
             return found
@@ -193,12 +238,8 @@ class Step:
                 path = "original"
             keyed.setdefault(path, []).append(slot)
         groups = []
-        positions = torch.arange(len(self.host_rows))
-        host = torch.tensor(self.host_rows, dtype=torch.long)
         for slots in keyed.values():
-            chosen = torch.zeros(len(self.policies), dtype=torch.bool)
-            chosen[slots] = True
-            host_mask = chosen[host]
+            mask, own_rows = self.rows_of(tuple(slots))
             recorders = tuple(dict.fromkeys(r for slot in slots for r in self.recorders.get(slot, ())))
             policy = self.policies[slots[0]]
             # A group runs on its own rows where the join splits, and where running on others' rows would cost
@@ -207,17 +248,30 @@ class Step:
                 rows.by == "token"
                 and (bool(policy.fallback_on) or (policy.mode_for(name) == "verify" and not without_kernel))
             )
-            own_rows = positions[host_mask].to(self.device)
             index = own_rows if own else None
-            scope = _recording_scope(policy, recording=bool(recorders), recorders=recorders)
+            scope = GroupScope(policy, bool(recorders), recorders)
             attempt = None
             if not own and rows.by == "token":
                 held = Held()
-                attempt = (_recording_scope(policy, recording=bool(recorders), recorders=(held,)), held)
+                attempt = (GroupScope(policy, bool(recorders), (held,)), held)
             policies = tuple(self.policies[s] for s in slots)
-            groups.append(Group(scope, policies, host_mask.to(self.device), index, own_rows, recorders, attempt))
+            written = policy if nested else (policy.entry_for(name), policy.options)
+            groups.append(Group(scope, policies, mask, index, own_rows, recorders, attempt, written, {}))
         self._plans[key] = groups
         return groups
+
+    def rows_of(self, slots: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows of ``slots`` in this step: a mask of the step's rows and their positions (on the device)."""
+        found = self._rows_of.get(slots)
+        if found is None:
+            chosen = set(slots)
+            mask = [slot in chosen for slot in self.host_rows]
+            positions = [i for i, on in enumerate(mask) if on]
+            found = self._rows_of[slots] = (
+                torch.tensor(mask, dtype=torch.bool, device=self.device),
+                torch.tensor(positions, dtype=torch.long, device=self.device),
+            )
+        return found
 
 
 @final

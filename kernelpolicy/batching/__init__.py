@@ -144,6 +144,9 @@ class _Rows:
         self.batches: dict[int, _Batch] = {}  # by IO pair: the batch prepared in it, until its step runs
         self.size = int(processor.max_batch_tokens)
         self.layers = requests.layers
+        #: The holders of the recorders of the step that ran last, by recorder: the same for the next step's same
+        #: recorders, so that its groups of rows, made with them, are kept (``Step.begin``).
+        self.holders: dict[int, _Holder] = {}
 
     def pair(self) -> int:
         return int(self.ios.current_pair) if self.paired else 0  # async batching alternates two IO pairs
@@ -259,7 +262,7 @@ def _wrap_processor(processor: Any, requests: Requests) -> None:
         if batch is None:  # nothing prepared by kernelpolicy's seam: the policy in effect
             step(model)
             return
-        batch = _holding(batch)  # each call recorded once: held until the step stands
+        batch = _holding(batch, rows.holders)  # each call recorded once: held until the step stands
         rows.begin(batch)
         try:
             while True:
@@ -404,9 +407,15 @@ class _Holder:
             self.recorder.add(*call)
 
 
-def _holding(batch: _Batch) -> _Batch:
-    """``batch`` with a :class:`_Holder` in place of each of its recorders."""
-    holders = {id(recorder): _Holder(recorder) for recorder in batch.recorders}
+def _holding(batch: _Batch, kept: dict[int, _Holder]) -> _Batch:
+    """``batch`` with a :class:`_Holder` in place of each of its recorders: those of ``kept`` (the last step's, by
+    recorder) where the recorder is the same, then ``kept`` holds this step's."""
+    holders = {}
+    for recorder in batch.recorders:
+        holder = kept.get(id(recorder))
+        holders[id(recorder)] = holder if holder is not None and holder.recorder is recorder else _Holder(recorder)
+    kept.clear()
+    kept.update(holders)
     by_slot = {slot: tuple(holders[id(r)] for r in group) for slot, group in batch.slot_recorders.items()}
     return batch._replace(recorders=tuple(holders.values()), slot_recorders=by_slot)
 
