@@ -25,7 +25,7 @@ RUNNABLE = [
     "docs/design.md",
 ]
 #: Pages whose ``python`` blocks are run another way (below).
-ELSEWHERE = ["docs/pytest.md", "docs/serving.md"]
+ELSEWHERE = ["docs/pytest.md", "docs/serving.md", "docs/vllm.md"]  # vllm.md: tests/test_vllm_switch.py
 
 
 @pytest.mark.parametrize("page", RUNNABLE)

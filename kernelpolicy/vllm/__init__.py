@@ -1,0 +1,166 @@
+"""kernelpolicy inside vLLM: a kernel policy per request, every request's rows on their own path in one engine step.
+
+This package owns vLLM's general plugin :func:`register` (the entry point ``kernelpolicy`` in the group
+``vllm.general_plugins``), which vLLM calls in each of its processes (the front end, the engine core, each worker):
+off unless :data:`ENV_VAR` is ``1``, and the same when called twice. Switched on, it checks each request's
+``SamplingParams(extra_args={"kernel_policy": ...})`` where vLLM admits it (``_admission``), fills each step's
+per-token codes in the worker (``_codes``) and makes vLLM's ``CustomOp`` layers and IR ops take each row's path
+(``_rowwise``). docs/vllm.md says what a policy governs in vLLM and what is not built yet.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib
+import os
+from typing import Any
+
+from ._admission import KEY, RequestPolicy, check_admitted, op_names, request_policy
+
+__all__ = ["ENV_VAR", "IMPORT_VAR", "KEY", "RequestPolicy", "installed", "op_names", "register", "request_policy"]
+
+#: The switch: ``KERNELPOLICY_VLLM=1`` in the environment vLLM starts with (its processes inherit it).
+ENV_VAR = "KERNELPOLICY_VLLM"
+#: Modules that every vLLM process imports once the switch is on, comma-separated (extra IR providers or
+#: ``CustomOp.register_oot`` classes that must exist in the engine core and each worker too).
+IMPORT_VAR = "KERNELPOLICY_VLLM_IMPORT"
+
+_installed = False
+
+
+def installed() -> bool:
+    """Whether :func:`register` switched kernelpolicy on in this process."""
+    return _installed
+
+
+def register() -> None:
+    """vLLM's general plugin: nothing unless ``KERNELPOLICY_VLLM=1``; then patch this process's vLLM, once."""
+    global _installed
+    if _installed or os.environ.get(ENV_VAR, "") != "1":
+        return
+    _installed = True
+    _patch_admission()
+    _patch_config_hash()
+    _patch_layers()
+    _patch_runner()
+    for module in filter(None, (name.strip() for name in os.environ.get(IMPORT_VAR, "").split(","))):
+        importlib.import_module(module)
+
+
+def _patch_admission() -> None:
+    """A request's policy is checked where vLLM checks its ``SamplingParams`` (bad input fails that request), and
+    salts its prefix cache blocks (``cache_salt``)."""
+    from vllm.v1.engine import input_processor
+
+    processor: Any = input_processor.InputProcessor  # patched by its attributes (mypy: typed or not installed)
+    validate = processor._validate_params
+
+    @functools.wraps(validate)
+    def _validate_params(self: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
+        check_admitted(params)
+        return validate(self, params, *args, **kwargs)
+
+    processor._validate_params = _validate_params
+    process = processor.process_inputs
+
+    @functools.wraps(process)
+    def process_inputs(self: Any, request_id: str, prompt: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
+        request = process(self, request_id, prompt, params, *args, **kwargs)
+        policy = check_admitted(params)
+        if policy is not None:  # the prefix cache: blocks shared within a policy, never across policies
+            request.cache_salt = f"{request.cache_salt or ''}|kernel_policy={policy}"
+        return request
+
+    processor.process_inputs = process_inputs
+
+
+def _patch_config_hash() -> None:
+    """vLLM's config hash (the key of its compile caches) says kernelpolicy is on: a program traced with the
+    per-row choice is never loaded by an engine without it, nor the other way round."""
+    from importlib.metadata import version
+
+    from vllm.config import vllm as config
+
+    marker = f"kernelpolicy {version('kernelpolicy')}"
+
+    vllm_config: Any = config.VllmConfig
+    compute_hash = vllm_config.compute_hash
+
+    @functools.wraps(compute_hash)
+    def _compute_hash(self: Any, *args: Any, **kwargs: Any) -> str:
+        found: str = compute_hash(self, *args, **kwargs)
+        return hashlib.sha256(f"{found}|{marker}".encode()).hexdigest()[: len(found)]
+
+    vllm_config.compute_hash = _compute_hash
+
+
+def _patch_layers() -> None:
+    """``CustomOp`` layers built from now on, and every IR op, choose per row (``_rowwise``)."""
+    import vllm.ir.ops  # noqa: F401  # the IR ops register on import
+    from vllm.ir import op
+    from vllm.model_executor import custom_op
+
+    from ._codes import STEP
+    from ._rowwise import govern_custom_op, ir_inner_call
+
+    ir_op: Any = op.IrOp
+    layer: Any = custom_op.CustomOp
+    for name in sorted(ir_op.registry):
+        STEP.column(name)
+    init = layer.__init__
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807
+        init(self, *args, **kwargs)
+        govern_custom_op(self)
+
+    layer.__init__ = __init__
+    inner = ir_op._inner_call
+
+    @functools.wraps(inner)
+    def _inner_call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return ir_inner_call(self, inner, args, kwargs)
+
+    ir_op._inner_call = _inner_call
+
+
+def _patch_runner() -> None:
+    """The worker's runner fills each step's codes before its forward and hands them to the forward context."""
+    from vllm.v1.worker import gpu_model_runner
+
+    from ._codes import CONTEXT_KEY, STEP, step_policies
+
+    runner: Any = gpu_model_runner.GPUModelRunner
+    init, prepare = runner.__init__, runner._prepare_inputs
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807
+        init(self, *args, **kwargs)
+        STEP.allocate(self.max_num_tokens, self.device)
+        _patch_forward_context(CONTEXT_KEY)
+
+    @functools.wraps(prepare)
+    def _prepare_inputs(self: Any, scheduler_output: Any, num_scheduled_tokens: Any) -> Any:
+        STEP.fill(step_policies(self), num_scheduled_tokens)
+        return prepare(self, scheduler_output, num_scheduled_tokens)
+
+    runner.__init__ = __init__
+    runner._prepare_inputs = _prepare_inputs
+
+
+@functools.lru_cache(maxsize=1)
+def _patch_forward_context(key: str) -> None:
+    """Every forward context of this worker (steps, warm-up and dummy runs) carries the codes under ``key``."""
+    from vllm.platforms import current_platform
+
+    from ._codes import STEP
+
+    platform: Any = type(current_platform)
+    additional = platform.set_additional_forward_context
+
+    def set_additional_forward_context(cls: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        found: dict[str, Any] = additional(*args, **kwargs)
+        return found if STEP.buffer is None else {**found, key: STEP.buffer}
+
+    platform.set_additional_forward_context = classmethod(set_additional_forward_context)
