@@ -46,6 +46,11 @@ def register() -> None:
     _patch_runner()
     for module in filter(None, (name.strip() for name in os.environ.get(IMPORT_VAR, "").split(","))):
         importlib.import_module(module)
+    # kernelpolicy/vllm/_server.py (branch vllm-serve): in vLLM's API server processes, the X-Kernel-Policy header,
+    # vllm_xargs' check against the operator's rules, the salt per policy and the counts in /metrics
+    from ._server import install as install_server
+
+    install_server()
 
 
 def _patch_admission() -> None:

@@ -1,0 +1,183 @@
+"""``vllm serve`` with kernelpolicy on (kernelpolicy/vllm/_server.py): a request's policy from the X-Kernel-Policy
+header or the body's vllm_xargs, the operator's rules, 400s naming the value, a prefix-cache salt per policy, and
+the counts per policy in vLLM's /metrics, with two API servers. One real server for the module (no mocks); the
+server with the switch off is tests/test_vllm_serve_off.py's.
+
+The server's ``rms_norm`` runs the test kernel (``kp_test``: the native norm plus 0.5) unless a request's policy
+says ``rms_norm=disable``: the tokens and log-probs of a request show which path its rows took in the worker.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from _vllm_serve import get, post, save_model, served
+
+from kernelpolicy.serving import HEADER
+from kernelpolicy.vllm._server import ALLOW_MODES_VAR, ALLOW_POLICY_VAR, SALT_PREFIX, ServerRules, policy_salt
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+    from pathlib import Path
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
+
+#: The operator's rules of the module's server: a client may turn ops off, and choose one listed policy more.
+RULES = {ALLOW_MODES_VAR: "disable", ALLOW_POLICY_VAR: "silu_and_mul=prefer"}
+PROMPT = "w5 w6 w7 w8"
+#: A prompt of many KV blocks (the prefix cache shares whole blocks).
+LONG = " ".join(f"w{(7 * i) % 250 + 1}" for i in range(200))
+
+
+class Server:
+    def __init__(self, url: str, log: Path) -> None:
+        self.url, self.log = url, log
+
+    def complete(self, headers: dict[str, str] | None = None, **body: Any) -> tuple[int, Any]:
+        request = {"model": "tiny", "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "logprobs": 1} | body
+        return post(self.url, "/v1/completions", request, headers)
+
+    def answer(self, headers: dict[str, str] | None = None, **body: Any) -> tuple[list[str], list[float]]:
+        """The tokens and log-probs of a completion that must succeed."""
+        status, found = self.complete(headers, **body)
+        assert status == 200, found
+        logprobs = found["choices"][0]["logprobs"]
+        return logprobs["tokens"], logprobs["token_logprobs"]
+
+    def logged_params(self, seed: int) -> str:
+        """The SamplingParams vLLM logged for the request of ``seed`` (a marker: greedy requests ignore it)."""
+        found = [line for line in self.log.read_text(errors="replace").splitlines() if f"seed={seed}," in line]
+        assert len(found) == 1, found
+        return found[0]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    folder = tmp_path_factory.mktemp("vllm-serve")
+    model = save_model(folder / "model")
+    kernel = '{"ir_op_priority": {"rms_norm": ["kp_test", "native"]}}'
+    env = {"KERNELPOLICY_VLLM": "1", "KERNELPOLICY_VLLM_IMPORT": "_vllm_provider"} | RULES
+    with served(model, folder / "serve.log", env, "--served-model-name", "tiny", "--kernel-config", kernel,
+                "--api-server-count", "2") as url:  # fmt: skip
+        yield Server(url, folder / "serve.log")
+
+
+def error_of(answer: tuple[int, Any]) -> str:
+    status, found = answer
+    assert status == 400, found
+    assert found["error"]["type"] == "BadRequestError" and found["error"]["code"] == 400
+    message: str = found["error"]["message"]
+    return message
+
+
+def test_the_header_and_vllm_xargs_reach_extra_args_and_the_worker(server: Server) -> None:
+    vllms = server.answer(seed=101)  # no policy: vLLM's own choice, the test kernel
+    header = server.answer({HEADER: "rms_norm=disable"}, seed=102)
+    body = server.answer(vllm_xargs={"kernel_policy": "rms_norm=disable"}, seed=103)
+    entries = server.answer(vllm_xargs={"kernel_policy": {"rms_norm": "disable"}, "other": 1}, seed=104)
+    both = server.answer({HEADER: "rms_norm=disable"}, vllm_xargs={"kernel_policy": "rms_norm=disable"}, seed=105)
+    assert header == body == entries == both
+    assert header[1] != vllms[1]  # the original norm ran on this request's rows
+    assert "extra_args=None" in server.logged_params(101)
+    for seed in (102, 103, 105):
+        assert "extra_args={'kernel_policy': 'rms_norm=disable'}" in server.logged_params(seed)
+    assert "extra_args={'kernel_policy': 'rms_norm=disable', 'other': 1}" in server.logged_params(104)
+    # chat completions and responses read the header too
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 2, "seed": 106}
+    status, found = post(server.url, "/v1/chat/completions", chat, {HEADER: "disable"})
+    assert status == 200, found
+    assert "extra_args={'kernel_policy': 'disable'}" in server.logged_params(106)
+    status, found = post(server.url, "/v1/chat/completions", chat | {"seed": 107}, {HEADER: "prefer"})
+    assert "'prefer' is not allowed" in error_of((status, found))
+
+
+def test_bad_policies_get_a_400_naming_the_value_and_the_valid_ones(server: Server) -> None:
+    mode = error_of(server.complete({HEADER: "rms_norm=bogus"}))
+    assert "'bogus'" in mode and "'prefer', 'disable'" in mode and HEADER in mode
+    op = error_of(server.complete(vllm_xargs={"kernel_policy": "no_such_op=disable"}))
+    assert "vllm_xargs.kernel_policy='no_such_op=disable'" in op and "rms_norm" in op and "silu_and_mul" in op
+    kind = error_of(server.complete(vllm_xargs={"kernel_policy": 3}))
+    assert "vllm_xargs.kernel_policy=3" in kind and "not int" in kind
+    listed = error_of(server.complete(vllm_xargs={"kernel_policy": ["disable"]}))
+    assert "['disable']" in listed and "not list" in listed
+    assert "ASCII" in error_of(server.complete({HEADER: "rms_norm=d\xe9sable"}))  # urllib sends it as latin-1
+    # the operator's rules: modes 'disable' and the policy 'silu_and_mul=prefer'
+    refused = error_of(server.complete({HEADER: "rms_norm=prefer"}))
+    assert "'rms_norm=prefer' is not allowed" in refused
+    assert "modes 'disable'" in refused and "'silu_and_mul=prefer'" in refused and "no policy" in refused
+    assert "not allowed" in error_of(server.complete(vllm_xargs={"kernel_policy": "prefer"}))
+    assert server.answer({HEADER: "silu_and_mul=prefer"})  # listed
+    assert server.answer({HEADER: "disable"})  # a mode allowed
+    # header and body disagreeing
+    conflict = error_of(server.complete({HEADER: "disable"}, vllm_xargs={"kernel_policy": "rms_norm=disable"}))
+    assert f"{HEADER} 'disable'" in conflict and "'rms_norm=disable'" in conflict and "different policies" in conflict
+    # the salts kernelpolicy gives are its own
+    reserved = error_of(server.complete(cache_salt=SALT_PREFIX + "x"))
+    assert f"'{SALT_PREFIX}x'" in reserved
+    # vLLM's own checks stand: a bad salt of the client's is vLLM's 400
+    assert "cache_salt" in error_of(server.complete({HEADER: "disable"}, cache_salt="a/b"))
+
+
+def test_policies_never_share_prefix_cache_blocks_and_a_policy_shares_its_own(server: Server) -> None:
+    def cached(headers: dict[str, str] | None = None, **body: Any) -> int:
+        status, found = server.complete(headers, prompt=LONG, max_tokens=1, logprobs=None, **body)
+        assert status == 200, found
+        return int((found["usage"]["prompt_tokens_details"] or {}).get("cached_tokens") or 0)
+
+    cached()  # vLLM's own blocks of the prompt
+    assert cached() > 0
+    assert cached({HEADER: "rms_norm=disable"}) == 0  # another policy: its own salt, none of those blocks
+    assert cached({HEADER: "rms_norm=disable"}) > 0  # the same policy shares
+    assert cached(vllm_xargs={"kernel_policy": {"rms_norm": "disable"}}) > 0  # however it is spelled
+    assert cached({HEADER: "disable"}) == 0
+    assert cached({HEADER: "rms_norm=disable"}, cache_salt="mine") == 0  # a client's salt: combined
+    assert cached({HEADER: "rms_norm=disable"}, cache_salt="mine") > 0
+    assert cached(cache_salt="mine") == 0  # the client's salt alone: vLLM's own, apart from the policy's
+
+
+def test_metrics_count_requests_and_tokens_per_policy_over_two_api_servers(server: Server) -> None:
+    def counts() -> dict[tuple[str, str], float]:
+        found: dict[tuple[str, str], float] = {}
+        for line in get(server.url, "/metrics").splitlines():
+            match = re.fullmatch(r'kernelpolicy_serve_(\w+)_total\{(?:policy|kind)="([^"]*)"\} (\S+)', line)
+            if match:
+                found[match[1], match[2]] = found.get((match[1], match[2]), 0.0) + float(match[3])
+        return found
+
+    before = counts()
+    for _ in range(4):
+        server.answer({HEADER: "disable"}, max_tokens=3, ignore_eos=True)
+    server.answer({HEADER: "silu_and_mul=prefer"}, max_tokens=2, ignore_eos=True)
+    server.answer({HEADER: "rms_norm=disable"}, max_tokens=2, ignore_eos=True)  # allowed, not named: "other"
+    server.answer(max_tokens=2, ignore_eos=True)
+    status, stream = server.complete({HEADER: "disable"}, max_tokens=3, ignore_eos=True, stream=True)
+    assert status == 200 and "data: [DONE]" in stream
+    error_of(server.complete({HEADER: "rms_norm=bogus"}))
+    error_of(server.complete({HEADER: "prefer"}))
+    after = counts()
+
+    def added(name: str, label: str) -> float:
+        return after.get((name, label), 0.0) - before.get((name, label), 0.0)
+
+    assert added("requests", "disable") == 5 and added("generated_tokens", "disable") == 15
+    assert added("requests", "silu_and_mul=prefer") == 1 and added("generated_tokens", "silu_and_mul=prefer") == 2
+    assert added("requests", "other") == 1 and added("generated_tokens", "other") == 2
+    assert added("requests", "none") == 1 and added("generated_tokens", "none") == 2
+    assert added("errors", "bad_header") == 1 and added("errors", "refused_policy") == 1
+    assert "vllm:request_success_total" in get(server.url, "/metrics")  # vLLM's own still there
+
+
+def test_operator_rules_are_checked_when_the_server_starts() -> None:
+    with pytest.raises(ValueError, match=f"{ALLOW_MODES_VAR} 'sometimes': unknown mode 'sometimes'"):
+        ServerRules.from_env({ALLOW_MODES_VAR: "sometimes"})
+    with pytest.raises(ValueError, match=f"{ALLOW_POLICY_VAR}: kernel_policy='no_op=disable': vLLM has no op"):
+        ServerRules.from_env({ALLOW_POLICY_VAR: "rms_norm=disable; no_op=disable"})
+    rules = ServerRules.from_env({ALLOW_MODES_VAR: "none", ALLOW_POLICY_VAR: "disable;rms_norm=disable"})
+    assert [str(policy) for policy in rules.listed] == ["disable", "rms_norm=disable"]
+    assert policy_salt("disable") != policy_salt("disable", "x") != policy_salt("rms_norm=disable", "x")
+    assert len(policy_salt("disable", "x" * 128)) <= 128
