@@ -94,6 +94,18 @@ def test_the_header_and_vllm_xargs_reach_extra_args_and_the_worker(server: Serve
     assert "extra_args={'kernel_policy': 'disable'}" in server.logged_params(106)
     status, found = post(server.url, "/v1/chat/completions", chat | {"seed": 107}, {HEADER: "prefer"})
     assert "'prefer' is not allowed" in error_of((status, found))
+    responses = {"model": "tiny", "input": PROMPT, "max_output_tokens": 2, "temperature": 0}
+    status, found = post(server.url, "/v1/responses", responses, {HEADER: "silu_and_mul=prefer"})
+    assert status == 200, found
+    status, found = post(server.url, "/v1/responses", responses, {HEADER: "rms_norm=bogus"})
+    assert "'bogus'" in error_of((status, found))
+    messages = {"model": "tiny", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 2}
+    status, found = post(server.url, "/v1/messages", messages, {HEADER: "rms_norm=disable"})
+    assert status == 200, found
+    status, found = post(server.url, "/v1/messages", messages, {HEADER: "prefer"})
+    assert "'prefer' is not allowed" in error_of((status, found))
+    logged = server.log.read_text(errors="replace")
+    assert "extra_args={'kernel_policy': 'silu_and_mul=prefer'}" in logged  # responses' request
 
 
 def test_bad_policies_get_a_400_naming_the_value_and_the_valid_ones(server: Server) -> None:
@@ -181,3 +193,58 @@ def test_operator_rules_are_checked_when_the_server_starts() -> None:
     assert [str(policy) for policy in rules.listed] == ["disable", "rms_norm=disable"]
     assert policy_salt("disable") != policy_salt("disable", "x") != policy_salt("rms_norm=disable", "x")
     assert len(policy_salt("disable", "x" * 128)) <= 128
+
+
+def test_the_middleware_rewrites_a_body_once_however_often_it_is_installed(monkeypatch: pytest.MonkeyPatch) -> None:
+    import asyncio
+    import json
+
+    import kernelpolicy.vllm
+    from kernelpolicy.vllm._server import PolicyHeaders
+
+    monkeypatch.setattr(kernelpolicy.vllm, "_installed", True)  # the plugin ran in this process
+    received: list[tuple[dict[str, Any], bytes]] = []
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        chunks = [await receive()]
+        while chunks[-1].get("more_body"):
+            chunks.append(await receive())
+        received.append((scope, b"".join(chunk["body"] for chunk in chunks)))
+        assert (await receive())["type"] == "http.disconnect"  # then what the client sends
+
+    async def call(middleware: Any, body: bytes, headers: list[tuple[bytes, bytes]], path: str) -> list[Any]:
+        messages = [{"type": "http.request", "body": body[:5], "more_body": True}]
+        messages += [{"type": "http.request", "body": body[5:]}, {"type": "http.disconnect"}]
+        sent: list[Any] = []
+
+        async def receive() -> Any:
+            return messages.pop(0)
+
+        async def send(message: Any) -> None:
+            sent.append(message)
+
+        scope = {"type": "http", "method": "POST", "path": path, "headers": headers, "root_path": ""}
+        await middleware(scope, receive, send)
+        return sent
+
+    twice = PolicyHeaders(PolicyHeaders(app))
+    body = json.dumps({"prompt": "w1", "cache_salt": "mine"}).encode()
+    headers = [(b"content-length", str(len(body)).encode()), (HEADER.lower().encode(), b"rms_norm=disable")]
+    assert asyncio.run(call(twice, body, headers, "/v1/completions")) == []
+    [(scope, rewritten)] = received
+    assert json.loads(rewritten) == {
+        "prompt": "w1",
+        "cache_salt": policy_salt("rms_norm=disable", "mine"),
+        "vllm_xargs": {"kernel_policy": "rms_norm=disable"},
+    }
+    assert dict(scope["headers"])[b"content-length"] == str(len(rewritten)).encode()
+    received.clear()  # other routes, and requests without a policy, pass as they came
+    assert asyncio.run(call(twice, body, headers, "/tokenize")) == []
+    assert received[0][1] == body
+    received.clear()
+    assert asyncio.run(call(twice, body, headers[:1], "/v1/completions")) == []
+    assert received[0][1] == body
+    received.clear()
+    sent = asyncio.run(call(twice, body, [(HEADER.lower().encode(), b"bogus")], "/v1/chat/completions"))
+    assert sent[0]["status"] == 400 and received == []
+    assert "'bogus'" in json.loads(sent[1]["body"])["error"]["message"]

@@ -185,7 +185,9 @@ def _rewritten(body: bytes, header: RequestPolicy | None, rules_: ServerRules) -
     if not isinstance(data, dict):
         return None
     xargs = data.get("vllm_xargs")
-    given = xargs.get(KEY) if isinstance(xargs, dict) else None
+    if xargs is not None and not isinstance(xargs, dict):
+        return None  # not vLLM's type: its own 400
+    given = None if xargs is None else xargs.get(KEY)
     try:
         from_body = request_policy(given)
     except PolicyError as error:
@@ -212,7 +214,7 @@ def _rewritten(body: bytes, header: RequestPolicy | None, rules_: ServerRules) -
     if refusal is not None:
         raise _BadRequestError(refusal, HEADER if header is not None else _BODY, "refused_policy")
     text = str(policy)
-    data["vllm_xargs"] = {**(xargs if isinstance(xargs, dict) else {}), KEY: text}
+    data["vllm_xargs"] = {**(xargs or {}), KEY: text}
     if salt is None or _valid_salt(salt):  # a bad salt of the client's stays, for vLLM to refuse
         data["cache_salt"] = policy_salt(text, salt)
     return json.dumps(data).encode()
@@ -261,7 +263,7 @@ class PolicyHeaders:
         while True:
             message = await receive()
             if message["type"] != "http.request":  # the client left: vLLM sees it so
-                await self.app(scope, _replay([], message, receive), send)
+                await self.app(scope, _replaying([], message, receive), send)
                 return
             chunks.append(message.get("body", b""))
             if not message.get("more_body", False):
@@ -277,10 +279,10 @@ class PolicyHeaders:
             body = found
             headers = [(name, value) for name, value in scope["headers"] if name != b"content-length"]
             scope = {**scope, "headers": [*headers, (b"content-length", str(len(body)).encode())]}
-        await self.app(scope, _replay([body], None, receive), send)
+        await self.app(scope, _replaying([body], None, receive), send)
 
 
-def _replay(bodies: list[bytes], last: dict[str, Any] | None, receive: Any) -> Callable[[], Awaitable[Any]]:
+def _replaying(bodies: list[bytes], last: dict[str, Any] | None, receive: Any) -> Callable[[], Awaitable[Any]]:
     """A ``receive`` that gives the body read (one message), then ``last`` if given, then what the client sends."""
     pending: list[dict[str, Any]] = [{"type": "http.request", "body": b"".join(bodies), "more_body": False}]
     if last is not None:
