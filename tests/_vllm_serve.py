@@ -46,6 +46,14 @@ def save_model(folder: Path) -> Path:
     )
 
 
+def environment(env: dict[str, str]) -> dict[str, str]:
+    """This process's environment with ``env`` and what a server here needs: this checkout and tests/ on the path
+    (``_vllm_serve``, ``_vllm_provider``), a 1 GiB KV cache, one thread, nothing asked of the network."""
+    path = os.pathsep.join(filter(None, [str(TESTS), str(TESTS.parent), os.environ.get("PYTHONPATH")]))
+    environ = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+    return environ | {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1"} | env
+
+
 @contextlib.contextmanager
 def served(model: Path, log: Path, env: dict[str, str], *args: str) -> Iterator[str]:
     """``vllm serve MODEL`` (eager, a 1 GiB KV cache, 256 tokens a sequence, logging each request's parameters) with
@@ -57,11 +65,10 @@ def served(model: Path, log: Path, env: dict[str, str], *args: str) -> Iterator[
     command = [sys.executable, "-m", "_vllm_serve", "serve", str(model), "--host", "127.0.0.1", "--port", str(port)]
     command += ["--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "8", "--enforce-eager"]
     command += ["--enable-log-requests", "--enable-prompt-tokens-details", *args]
-    path = os.pathsep.join(filter(None, [str(TESTS), str(TESTS.parent), os.environ.get("PYTHONPATH")]))
-    environ = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
-    environ |= {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1"} | env
     with log.open("wb") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=environ, start_new_session=True)
+        process = subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, env=environment(env), start_new_session=True
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         wait_for_health(url, process, timeout_s=START_S, log=log)

@@ -10,13 +10,15 @@ says ``rms_norm=disable``: the tokens and log-probs of a request show which path
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from typing import TYPE_CHECKING, Any
 
 import pytest
 
 pytest.importorskip("vllm")
 
-from _vllm_serve import get, post, save_model, served
+from _vllm_serve import environment, get, post, save_model, served
 
 from kernelpolicy.serving import HEADER
 from kernelpolicy.vllm._server import ALLOW_MODES_VAR, ALLOW_POLICY_VAR, SALT_PREFIX, ServerRules, policy_salt
@@ -184,7 +186,14 @@ def test_metrics_count_requests_and_tokens_per_policy_over_two_api_servers(serve
     assert "vllm:request_success_total" in get(server.url, "/metrics")  # vLLM's own still there
 
 
-def test_operator_rules_are_checked_when_the_server_starts() -> None:
+def test_operator_rules_are_checked_when_the_server_starts(tmp_path: Path) -> None:
+    from kernelpolicy.testing import free_port
+
+    command = [sys.executable, "-m", "_vllm_serve", "serve", str(tmp_path), "--port", str(free_port())]
+    env = environment({"KERNELPOLICY_VLLM": "1", ALLOW_MODES_VAR: "sometimes"})
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240, check=False)
+    assert done.returncode != 0  # before it loads anything
+    assert f"PolicyError: {ALLOW_MODES_VAR} 'sometimes': unknown mode 'sometimes'" in done.stdout + done.stderr
     with pytest.raises(ValueError, match=f"{ALLOW_MODES_VAR} 'sometimes': unknown mode 'sometimes'"):
         ServerRules.from_env({ALLOW_MODES_VAR: "sometimes"})
     with pytest.raises(ValueError, match=f"{ALLOW_POLICY_VAR}: kernel_policy='no_op=disable': vLLM has no op"):
