@@ -96,6 +96,11 @@ def test_the_header_and_vllm_xargs_reach_extra_args_and_the_worker(server: Serve
     assert "extra_args={'kernel_policy': 'disable'}" in server.logged_params(106)
     status, found = post(server.url, "/v1/chat/completions", chat | {"seed": 107}, {HEADER: "prefer"})
     assert "'prefer' is not allowed" in error_of((status, found))
+    batch = chat | {"messages": [chat["messages"], chat["messages"]], "seed": 108}
+    status, found = post(server.url, "/v1/chat/completions/batch", batch, {HEADER: "disable"})
+    assert status == 200, found
+    logged = [line for line in server.log.read_text(errors="replace").splitlines() if "seed=108," in line]
+    assert len(logged) == 2 and all("extra_args={'kernel_policy': 'disable'}" in line for line in logged)
     responses = {"model": "tiny", "input": PROMPT, "max_output_tokens": 2, "temperature": 0}
     status, found = post(server.url, "/v1/responses", responses, {HEADER: "silu_and_mul=prefer"})
     assert status == 200, found
@@ -115,6 +120,8 @@ def test_bad_policies_get_a_400_naming_the_value_and_the_valid_ones(server: Serv
     assert "'bogus'" in mode and "'prefer', 'disable'" in mode and HEADER in mode
     op = error_of(server.complete(vllm_xargs={"kernel_policy": "no_such_op=disable"}))
     assert "vllm_xargs.kernel_policy='no_such_op=disable'" in op and "rms_norm" in op and "silu_and_mul" in op
+    op = error_of(server.complete({HEADER: "no_such_op=disable"}))
+    assert f"header {HEADER}='no_such_op=disable': vLLM has no op 'no_such_op'" in op and "rms_norm" in op
     kind = error_of(server.complete(vllm_xargs={"kernel_policy": 3}))
     assert "vllm_xargs.kernel_policy=3" in kind and "not int" in kind
     listed = error_of(server.complete(vllm_xargs={"kernel_policy": ["disable"]}))

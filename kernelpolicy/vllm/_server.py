@@ -61,7 +61,13 @@ ALLOW_MODES_VAR: Final = "KERNELPOLICY_VLLM_ALLOW_MODES"
 #: Whole policies a client may choose besides those (``--allow-policy``), separated by ``;``.
 ALLOW_POLICY_VAR: Final = "KERNELPOLICY_VLLM_ALLOW_POLICY"
 #: The routes whose JSON body carries ``vllm_xargs`` and ``cache_salt``: where a request's policy is read.
-ROUTES: Final = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages")
+ROUTES: Final = (
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/chat/completions/batch",
+    "/v1/responses",
+    "/v1/messages",
+)
 #: How every salt kernelpolicy gives starts; a client's own salt may not (a 400), so none can equal a policy's.
 SALT_PREFIX: Final = "kernelpolicy:"
 #: The metrics label of a request without a policy (vLLM's own choice).
@@ -167,10 +173,10 @@ def _header_policy(values: list[bytes], access: Access) -> RequestPolicy | None:
     try:
         if len(values) > 1:
             raise PolicyError(f"header {HEADER} given {len(values)} times; give it once")
-        access.parse(values[0])  # its bounds: length, ASCII, entries, variants
+        access.parse(values[0])  # its bounds (length, ASCII, entries, variants) and syntax, errors naming the header
         return request_policy(values[0].decode("ascii"))
     except PolicyError as error:
-        raise _BadRequestError(f"header {HEADER}: {error}", HEADER, "bad_header") from None
+        raise _BadRequestError(str(error).replace(f"{KEY}=", f"header {HEADER}=", 1), HEADER, "bad_header") from None
 
 
 def _rewritten(body: bytes, header: RequestPolicy | None, rules_: ServerRules) -> bytes | None:
@@ -234,9 +240,9 @@ class PolicyHeaders:
     """ASGI middleware: on :data:`ROUTES`, a POST's policy (header or body) is checked and written into its body.
 
     :func:`install` adds it to every app ``vllm serve`` builds with kernelpolicy on, inside vLLM's own middleware
-    (``--api-key`` is checked first). Named in ``--middleware kernelpolicy.vllm.PolicyHeaders`` as well, or with
-    kernelpolicy off, it changes nothing: a request passes the first one only, and with the switch off vLLM's
-    processes have no policy to follow.
+    (``--api-key`` is checked first): nothing to add to the command line. Named in ``--middleware
+    kernelpolicy.vllm._server.PolicyHeaders`` as well, or with kernelpolicy off, it changes nothing: a request
+    passes the first one only, and with the switch off vLLM's processes have no policy to follow.
     """
 
     def __init__(self, app: Any) -> None:
