@@ -21,7 +21,8 @@ pytest.importorskip("vllm")
 from _vllm_serve import environment, get, post, save_model, served
 
 from kernelpolicy.serving import HEADER
-from kernelpolicy.vllm._server import ALLOW_MODES_VAR, ALLOW_POLICY_VAR, SALT_PREFIX, ServerRules, policy_salt
+from kernelpolicy.vllm._admission import SALT_PREFIX, policy_salt
+from kernelpolicy.vllm._server import ALLOW_MODES_VAR, ALLOW_POLICY_VAR, ServerRules
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -250,7 +251,7 @@ def test_the_middleware_rewrites_a_body_once_however_often_it_is_installed(monke
     [(scope, rewritten)] = received
     assert json.loads(rewritten) == {
         "prompt": "w1",
-        "cache_salt": policy_salt("rms_norm=disable", "mine"),
+        "cache_salt": "mine",  # the engine's admission salts it (_admission.admitted_salt)
         "vllm_xargs": {"kernel_policy": "rms_norm=disable"},
     }
     assert dict(scope["headers"])[b"content-length"] == str(len(rewritten)).encode()

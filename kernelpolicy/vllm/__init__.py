@@ -16,7 +16,7 @@ import importlib
 import os
 from typing import Any
 
-from ._admission import KEY, RequestPolicy, check_admitted, op_names, request_policy
+from ._admission import KEY, RequestPolicy, admitted_salt, check_admitted, op_names, request_policy
 
 __all__ = ["ENV_VAR", "IMPORT_VAR", "KEY", "RequestPolicy", "installed", "op_names", "register", "request_policy"]
 
@@ -72,9 +72,8 @@ def _patch_admission() -> None:
     @functools.wraps(process)
     def process_inputs(self: Any, request_id: str, prompt: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
         request = process(self, request_id, prompt, params, *args, **kwargs)
-        policy = check_admitted(params)
-        if policy is not None:  # the prefix cache: blocks shared within a policy, never across policies
-            request.cache_salt = f"{request.cache_salt or ''}|kernel_policy={policy}"
+        # the prefix cache: blocks shared within a policy, never across policies (every route, and offline)
+        request.cache_salt = admitted_salt(check_admitted(params), request.cache_salt)
         return request
 
     processor.process_inputs = process_inputs

@@ -10,7 +10,8 @@ every request (:func:`check_admitted`), so that bad input fails the request that
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any, NamedTuple
+import hashlib
+from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
 from .._values._errors import PolicyError, shown
 from .._values._policy import OPTIONS, Policy
@@ -18,7 +19,16 @@ from .._values._policy import OPTIONS, Policy
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
-__all__ = ["KEY", "RequestPolicy", "check_admitted", "op_names", "request_policy"]
+__all__ = [
+    "KEY",
+    "SALT_PREFIX",
+    "RequestPolicy",
+    "admitted_salt",
+    "check_admitted",
+    "op_names",
+    "policy_salt",
+    "request_policy",
+]
 
 #: The key of ``SamplingParams.extra_args`` (and of the OpenAI server's ``vllm_xargs``) that carries a policy.
 KEY = "kernel_policy"
@@ -129,8 +139,58 @@ def _checked(found: RequestPolicy, where: str) -> RequestPolicy:
 
 
 def check_admitted(params: Any) -> RequestPolicy | None:
-    """Raise :class:`~kernelpolicy.PolicyError` where the request's ``SamplingParams`` carry a bad policy."""
+    """The policy the request's ``SamplingParams`` carry (None: none); a bad one raises a :class:`PolicyError` that
+    is also vLLM's ``VLLMValidationError``, so that ``vllm serve`` answers it with a 400 on every route."""
     extra = getattr(params, "extra_args", None)
     if not extra or KEY not in extra:
         return None
-    return request_policy(extra[KEY])
+    try:
+        return request_policy(extra[KEY])
+    except PolicyError as error:
+        raise _validation_error()(str(error)) from None
+
+
+#: How every salt kernelpolicy gives starts; a request without a policy may not give one (refused), so that no
+#: request shares the prefix-cache blocks of a policy it does not carry.
+SALT_PREFIX: Final = "kernelpolicy:"
+
+
+def policy_salt(policy: str, salt: str | None = None) -> str:
+    """The ``cache_salt`` of a request of ``policy`` (its canonical text) whose client gave ``salt`` (or none):
+    :data:`SALT_PREFIX`, a digest of the policy, and a digest of the client's salt; 78 characters at most, the
+    same for the same policy and salt, so that requests of one policy still share their blocks.
+
+    >>> policy_salt("rms_norm=disable")
+    'kernelpolicy:aed12251edbdbc2e7547ebfc78ff3b41'
+    """
+    found = SALT_PREFIX + hashlib.sha256(policy.encode()).hexdigest()[:32]
+    return found if salt is None else f"{found}:{hashlib.sha256(salt.encode()).hexdigest()[:32]}"
+
+
+def admitted_salt(policy: RequestPolicy | None, salt: str | None) -> str | None:
+    """The ``cache_salt`` an admitted request gets (its policy's, combined with its client's); a client salt with
+    :data:`SALT_PREFIX` on a request without a policy is refused (the error of :func:`check_admitted`)."""
+    if policy is not None:
+        return policy_salt(str(policy), salt)
+    if salt is not None and salt.startswith(SALT_PREFIX):
+        raise _validation_error()(
+            f"cache_salt {shown(salt)} starts with {SALT_PREFIX!r}, which kernelpolicy keeps for the salts of "
+            "requests that carry a kernel policy; give a salt that does not"
+        )
+    return salt
+
+
+@functools.cache
+def _validation_error() -> type[PolicyError]:
+    """A :class:`PolicyError` that is also vLLM's ``VLLMValidationError`` (made where vLLM is imported)."""
+    from vllm.exceptions import VLLMValidationError
+
+    class RequestPolicyError(PolicyError, VLLMValidationError):  # type: ignore[misc, unused-ignore]  # Any without vLLM
+        """A request's bad kernel policy (or reserved salt): kernelpolicy's error, and a 400 in ``vllm serve``."""
+
+        __module__ = "kernelpolicy.vllm"
+
+        def __init__(self, message: str) -> None:
+            VLLMValidationError.__init__(self, message, parameter=f"extra_args.{KEY}")
+
+    return RequestPolicyError

@@ -2,7 +2,7 @@
 
 This module owns the API server's side of the vLLM plugin: :class:`PolicyHeaders` (a pure-ASGI middleware on the
 generation routes, :data:`ROUTES`), the operator's rules for ``vllm serve`` (:class:`ServerRules`, read from
-:data:`ALLOW_MODES_VAR` and :data:`ALLOW_POLICY_VAR`), each policy's prefix-cache salt (:func:`policy_salt`), the
+:data:`ALLOW_MODES_VAR` and :data:`ALLOW_POLICY_VAR`), the
 counts per policy in vLLM's own ``/metrics``, and :func:`install`, which the plugin's ``register`` calls in every
 process (it acts in vLLM's API server processes only).
 
@@ -10,8 +10,7 @@ A request's policy comes from the header (the same header and syntax as ``python
 the body's ``vllm_xargs.kernel_policy`` (a string, or a dict of op entries); both given must say the same policy.
 The middleware checks it (the syntax, vLLM's op names, the operator's rules) and rewrites the JSON body before vLLM
 parses it: ``vllm_xargs.kernel_policy`` becomes the policy's canonical text (what reaches
-``SamplingParams.extra_args``) and ``cache_salt`` the policy's salt (combined with the client's own), so that
-requests of different policies never share prefix-cache blocks. Bad input gets a 400 in vLLM's error shape naming
+``SamplingParams.extra_args``; the engine's admission gives it the policy's ``cache_salt``, ``_admission``). Bad input gets a 400 in vLLM's error shape naming
 the value and the valid ones. A request without a policy passes unchanged (vLLM's own choice, vLLM's own cache).
 
 Counts: ``kernelpolicy_serve_requests_total`` and ``kernelpolicy_serve_generated_tokens_total`` by ``policy`` (the
@@ -27,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import hashlib
 import json
 import os
 import sys
@@ -37,7 +35,7 @@ from .._values._errors import PolicyError, shown
 from .._values._policy import NO_OPTIONS
 from ..serving import _metrics
 from ..serving._access import HEADER, OTHER, Access
-from ._admission import KEY, request_policy
+from ._admission import KEY, SALT_PREFIX, request_policy
 
 if TYPE_CHECKING:
     from collections.abc import AsyncGenerator, Awaitable, Callable
@@ -48,11 +46,9 @@ __all__ = [
     "ALLOW_MODES_VAR",
     "ALLOW_POLICY_VAR",
     "ROUTES",
-    "SALT_PREFIX",
     "PolicyHeaders",
     "ServerRules",
     "install",
-    "policy_salt",
 ]
 
 #: The modes a client may give for the default and any op (``--allow-modes`` of ``python -m kernelpolicy serve``:
@@ -68,14 +64,10 @@ ROUTES: Final = (
     "/v1/responses",
     "/v1/messages",
 )
-#: How every salt kernelpolicy gives starts; a client's own salt may not (a 400), so none can equal a policy's.
-SALT_PREFIX: Final = "kernelpolicy:"
 #: The metrics label of a request without a policy (vLLM's own choice).
 NO_POLICY: Final = "none"
 #: Where the body's policy is, in error messages.
 _BODY: Final = f"vllm_xargs.{KEY}"
-#: vLLM's rules for a ``cache_salt`` (``validate_cache_salt``): a client salt that breaks them is left to vLLM.
-_SALT_LIMIT, _SALT_FORBIDDEN = 128, frozenset("@/\\\x00")
 #: The scope key a :class:`PolicyHeaders` sets, so that a second one on the same app passes requests through.
 _SEEN: Final = "kernelpolicy.vllm.policy"
 _installed = False
@@ -143,22 +135,6 @@ def operator_rules() -> ServerRules:
     return ServerRules.from_env()
 
 
-def policy_salt(policy: str, salt: str | None = None) -> str:
-    """The ``cache_salt`` of a request of ``policy`` (its canonical text) whose client gave ``salt`` (or none):
-    :data:`SALT_PREFIX`, a digest of the policy, and a digest of the client's salt; 78 characters at most, the
-    same for the same policy and salt, so that requests of one policy still share their blocks.
-
-    >>> policy_salt("rms_norm=disable")
-    'kernelpolicy:aed12251edbdbc2e7547ebfc78ff3b41'
-    """
-    found = SALT_PREFIX + hashlib.sha256(policy.encode()).hexdigest()[:32]
-    return found if salt is None else f"{found}:{hashlib.sha256(salt.encode()).hexdigest()[:32]}"
-
-
-def _valid_salt(salt: object) -> bool:
-    return isinstance(salt, str) and 0 < len(salt) <= _SALT_LIMIT and not _SALT_FORBIDDEN.intersection(salt)
-
-
 class _BadRequestError(Exception):
     """A request the middleware answers with a 400: the message, the parameter, the error kind counted."""
 
@@ -221,8 +197,6 @@ def _rewritten(body: bytes, header: RequestPolicy | None, rules_: ServerRules) -
         raise _BadRequestError(refusal, HEADER if header is not None else _BODY, "refused_policy")
     text = str(policy)
     data["vllm_xargs"] = {**(xargs or {}), KEY: text}
-    if salt is None or _valid_salt(salt):  # a bad salt of the client's stays, for vLLM to refuse
-        data["cache_salt"] = policy_salt(text, salt)
     return json.dumps(data).encode()
 
 
