@@ -23,12 +23,12 @@ TOKENS = 8
 SETTINGS: dict[str, Any] = {"dtype": "float32", "max_model_len": 256, "max_num_seqs": 8, "skip_tokenizer_init": True}
 
 
-def environment(switch: bool) -> dict[str, str]:
-    """The environment an engine starts with: the switch, the test provider, a small KV cache."""
+def environment(switch: bool, imports: str = "_vllm_provider") -> dict[str, str]:
+    """The environment an engine starts with: the switch, the test providers (``imports``), a small KV cache."""
     env = {
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "KERNELPOLICY_VLLM": "1" if switch else "0",
-        "KERNELPOLICY_VLLM_IMPORT": "_vllm_provider",
+        "KERNELPOLICY_VLLM_IMPORT": imports,
         "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])),
     }
     return env
@@ -71,6 +71,11 @@ def engine(model: Path, *, eager: bool, kernel_first: bool, **settings: Any) -> 
 def generate(llm: Any, policies: list[Any], prompts: list[list[int]] | None = None) -> list[list[int]]:
     """Greedy tokens of ``prompts`` (default: :data:`PROMPTS`, as many as policies), request i under policies[i],
     all in one ``LLM.generate`` call (one batch)."""
+    return [list(output.token_ids) for output in completions(llm, policies, prompts)]
+
+
+def completions(llm: Any, policies: list[Any], prompts: list[list[int]] | None = None) -> list[Any]:
+    """vLLM's ``CompletionOutput`` of each request of :func:`generate` (tokens, ``finish_reason``, ...)."""
     from vllm import SamplingParams
 
     prompts = PROMPTS[: len(policies)] if prompts is None else prompts
@@ -84,7 +89,7 @@ def generate(llm: Any, policies: list[Any], prompts: list[list[int]] | None = No
         for policy in policies
     ]
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return [list(output.outputs[0].token_ids) for output in outputs]
+    return [output.outputs[0] for output in outputs]
 
 
 def worker_state(worker: Any) -> dict[str, bool]:

@@ -27,7 +27,9 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 NONE, DISABLE, PREFER = None, "disable", "prefer"
 ENTRIES = {"rms_norm": "disable", "silu_and_mul": "prefer"}
 ROTARY = ({"rotary_embedding": "prefer"}, {"rotary_embedding": "disable"})
-POLICIES: list[Any] = [NONE, DISABLE, PREFER, ENTRIES]
+#: Variants: the test kernel by its provider's name, and a provider that only a variant names.
+VARIANT, OTHER = {"rms_norm": "kernel:kp_test"}, "disable,rms_norm=kernel:kp_other|kp_test"
+POLICIES: list[Any] = [NONE, DISABLE, PREFER, ENTRIES, VARIANT, OTHER]
 #: Batches that mix policies: 2 and 4 of them, and the in-place rotary kernel beside its original.
 MIXES: list[list[Any]] = [
     [NONE, DISABLE, NONE, DISABLE],
@@ -35,6 +37,7 @@ MIXES: list[list[Any]] = [
     [NONE, DISABLE, PREFER, ENTRIES],
     [ENTRIES, PREFER, DISABLE, NONE],
     [ROTARY[0], ROTARY[1], DISABLE, ROTARY[0]],
+    [VARIANT, OTHER, NONE, DISABLE],
 ]
 
 
@@ -100,6 +103,11 @@ def test_a_policy_on_every_request_gives_the_process_wide_controls(runs: dict[st
         # the in-place rotary kernel and its original agree on this CPU; neither touches rms_norm
         own = kernel if control == "kernel" else native
         assert solo[repr(ROTARY[0])] == own and solo[repr(ROTARY[1])] == own, control
+        # a variant names an IR provider: the test kernel's, or one that vLLM's priority does not list
+        assert solo[repr(VARIANT)] == kernel and batch[repr(VARIANT)] == kernel, control
+        other = runs["native"]["solo"][repr(OTHER)]
+        assert solo[repr(OTHER)] == other and batch[repr(OTHER)] == other, control
+        assert all(o not in (k, n) for o, k, n in zip(other, kernel, native, strict=True)), (other, kernel, native)
 
 
 def test_no_policy_runs_what_vllm_chose(runs: dict[str, dict[str, Any]]) -> None:

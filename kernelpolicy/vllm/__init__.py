@@ -44,6 +44,7 @@ def register() -> None:
     _patch_config_hash()
     _patch_layers()
     _patch_runner()
+    _patch_scheduler()
     for module in filter(None, (name.strip() for name in os.environ.get(IMPORT_VAR, "").split(","))):
         importlib.import_module(module)
     # kernelpolicy/vllm/_server.py (branch vllm-serve): in vLLM's API server processes, the X-Kernel-Policy header,
@@ -133,7 +134,7 @@ def _patch_runner() -> None:
     """The worker's runner fills each step's codes before its forward and hands them to the forward context."""
     from vllm.v1.worker import gpu_model_runner
 
-    from ._codes import CONTEXT_KEY, STEP, step_policies
+    from ._codes import CONTEXT_KEY, FAILED, STEP, step_policies
 
     runner: Any = gpu_model_runner.GPUModelRunner
     init, prepare = runner.__init__, runner._prepare_inputs
@@ -146,11 +147,63 @@ def _patch_runner() -> None:
 
     @functools.wraps(prepare)
     def _prepare_inputs(self: Any, scheduler_output: Any, num_scheduled_tokens: Any) -> Any:
-        STEP.fill(step_policies(self), num_scheduled_tokens)
+        STEP.fill(*step_policies(self), num_scheduled_tokens)
         return prepare(self, scheduler_output, num_scheduled_tokens)
+
+    sample = runner.sample_tokens
+
+    @functools.wraps(sample)
+    def sample_tokens(self: Any, *args: Any, **kwargs: Any) -> Any:
+        output = sample(self, *args, **kwargs)
+        failed = STEP.take_failed()
+        if failed:
+            # the step's output to the scheduler (async scheduling wraps it) carries the requests that failed
+            found = getattr(output, "_model_runner_output", output)
+            setattr(found, FAILED, failed)
+        return output
 
     runner.__init__ = __init__
     runner._prepare_inputs = _prepare_inputs
+    runner.sample_tokens = sample_tokens
+
+
+def _patch_scheduler() -> None:
+    """The scheduler (in the engine core) finishes the requests a step failed with vLLM's ``FINISHED_ERROR``, their
+    error's text in ``stop_reason``; their tokens of that step are dropped. The engine serves on."""
+    from vllm.v1.core.sched import scheduler as module
+    from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
+    from vllm.v1.request import RequestStatus
+
+    from ._codes import FAILED
+
+    scheduler: Any = module.Scheduler
+    update = scheduler.update_from_output
+
+    @functools.wraps(update)
+    def update_from_output(self: Any, scheduler_output: Any, model_runner_output: Any) -> Any:
+        failed: dict[str, str] = getattr(model_runner_output, FAILED, None) or {}
+        for request_id in failed:
+            index = model_runner_output.req_id_to_index.get(request_id)
+            if index is not None and index < len(model_runner_output.sampled_token_ids):
+                model_runner_output.sampled_token_ids[index] = []
+        outputs = update(self, scheduler_output, model_runner_output)
+        running = [request_id for request_id in failed if request_id in self.requests]
+        if not running:
+            return outputs
+        for request in self.finish_requests(running, RequestStatus.FINISHED_ERROR):
+            outputs.setdefault(request.client_index, EngineCoreOutputs()).outputs.append(
+                EngineCoreOutput(
+                    request_id=request.request_id,
+                    new_token_ids=[],
+                    finish_reason=request.get_finished_reason(),
+                    stop_reason=failed[request.request_id],
+                    events=request.take_events(),
+                    trace_headers=request.trace_headers,
+                )
+            )
+        return outputs
+
+    scheduler.update_from_output = update_from_output
 
 
 @functools.lru_cache(maxsize=1)

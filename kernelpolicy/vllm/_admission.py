@@ -14,7 +14,7 @@ import hashlib
 from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
 from .._values._errors import PolicyError, shown
-from .._values._policy import OPTIONS, Policy
+from .._values._policy import DEFAULT_VARIANT, NO_OPTIONS, OPTIONS, VARIANTS, Policy, variant_names
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -32,7 +32,8 @@ __all__ = [
 
 #: The key of ``SamplingParams.extra_args`` (and of the OpenAI server's ``vllm_xargs``) that carries a policy.
 KEY = "kernel_policy"
-#: The modes a request's policy may give in vLLM so far (``require`` and ``verify`` are not built yet).
+#: The modes a request's policy may give in vLLM so far, besides variants (``require`` and ``verify`` are not built
+#: yet).
 _BUILT = ("prefer", "disable")
 
 
@@ -45,7 +46,7 @@ class RequestPolicy(NamedTuple):
     default_given: bool
 
     def entry(self, op: str) -> str | None:
-        """``prefer`` or ``disable`` for ``op``; None where vLLM's own choice stands."""
+        """``prefer``, ``disable`` or a variant entry for ``op``; None where vLLM's own choice stands."""
         if not self.default_given and op not in self.named:
             return None
         return self.policy.entry_for(op)
@@ -53,7 +54,8 @@ class RequestPolicy(NamedTuple):
     def __str__(self) -> str:
         if self.default_given:
             return str(self.policy)
-        return ",".join(f"{op}={self.policy.entry_for(op)}" for op in sorted(self.named))
+        options = [part for part in str(self.policy).split(",") if part.partition("=")[0] in OPTIONS]
+        return ",".join([f"{op}={self.policy.entry_for(op)}" for op in sorted(self.named)] + options)
 
 
 @functools.lru_cache(maxsize=1)
@@ -121,21 +123,49 @@ def _parsed_dict(value: Mapping[Any, Any]) -> RequestPolicy:
 
 
 def _checked(found: RequestPolicy, where: str) -> RequestPolicy:
-    """``found`` if vLLM can serve it: op names vLLM has, modes built so far, no options yet."""
+    """``found`` if vLLM can serve it: op names vLLM has, modes built so far, variants of IR ops naming providers
+    this platform supports, no option but ``fallback_on``."""
     policy, names = found.policy, op_names()
     unknown = sorted((set(policy.layers) | found.named) - names)
     if unknown:
         raise PolicyError(f"{where}: vLLM has no op {shown(unknown[0])}; the ops a policy names are {_valid(names)}")
     modes = [("the default", policy.default)] + [(f"op {shown(op)}", entry) for op, entry in policy.layers.items()]
     for what, entry in modes:
-        if entry not in _BUILT:
+        if entry.startswith(VARIANTS):
+            _check_variants(what, entry, where)
+        elif entry not in _BUILT:
             raise PolicyError(
                 f"{where}: {shown(entry)} for {what} is not built for vLLM yet; a request's policy in vLLM gives "
-                f"{' or '.join(repr(mode) for mode in _BUILT)}"
+                f"{' or '.join(repr(mode) for mode in _BUILT)}, or an IR op's providers as variants "
+                f"(such as 'rms_norm=kernel:vllm_c')"
             )
-    if policy.options != Policy().options:
-        raise PolicyError(f"{where}: policy options ({', '.join(OPTIONS)}) are not built for vLLM yet")
+    if policy.options._replace(fallback_on=()) != NO_OPTIONS:
+        others = ", ".join(option for option in OPTIONS if option != "fallback_on")
+        raise PolicyError(f"{where}: policy options other than fallback_on ({others}) are not built for vLLM yet")
     return found
+
+
+def _check_variants(what: str, entry: str, where: str) -> None:
+    """A variant entry for ``what`` (``op 'rms_norm'``) names providers of that IR op, one of them supported here."""
+    from vllm.ir.op import IrOp
+
+    op = what.removeprefix("op ").strip("'")
+    ir_op = IrOp.registry.get(op)
+    if ir_op is None:
+        raise PolicyError(
+            f"{where}: {shown(entry)} for {what}: variants name an IR op's providers, and {op!r} is not an IR op "
+            f"(IR ops: {_valid(frozenset(IrOp.registry))})"
+        )
+    supported = [name for name in ir_op.supported_providers() if name != "native"]
+    names = variant_names(entry)
+    bad = [name for name in names if name != DEFAULT_VARIANT and name not in ir_op.impls]
+    if bad or not any(name == DEFAULT_VARIANT or name in supported for name in names):
+        problem = f"no provider {bad[0]!r}" if bad else "none of these providers on this platform"
+        raise PolicyError(
+            f"{where}: {shown(entry)} for {what}: IR op {op!r} has {problem}; its providers here are "
+            f"{', '.join(map(repr, supported)) or 'none but native'} ({DEFAULT_VARIANT!r}: the op's kernel; "
+            "'native' is its original: write 'disable')"
+        )
 
 
 def check_admitted(params: Any) -> RequestPolicy | None:

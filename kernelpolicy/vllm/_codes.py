@@ -5,42 +5,57 @@ This module owns :class:`StepCodes` (one per worker process, :data:`STEP`): a fi
 the op's kernel, ``2``: its original), filled before each step's forward from its requests' policies in batch order
 (``np.repeat`` of each request's codes over its scheduled tokens) and handed to the layers through vLLM's forward
 context (:data:`CONTEXT_KEY`), the warm-up and dummy runs included. Its address never changes, so a compiled program
-(traced once by vLLM) reads each step's codes as data.
+(traced once by vLLM) reads each step's codes as data. A variant entry (``rms_norm="kernel:kp_test|vllm_c"``) gets
+the code of the first of its IR providers that this platform supports: :data:`VARIANTS` plus the provider's place
+among the op's implementations (:func:`variant_code`).
+
+It also keeps the step's failures (:meth:`StepCodes.fail`): a kernel that raised on some rows fails the requests
+those rows belong to (their error names the policy, the op and the path), except those whose policy's
+``fallback_on`` names the exception; the runner hands them to the scheduler with the step's output.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
+from .._values._exceptions import exception_types
+from .._values._policy import DEFAULT_VARIANT, variant_names
 from ._admission import KEY, request_policy
 
 if TYPE_CHECKING:
     from ._admission import RequestPolicy
 
-__all__ = ["CONTEXT_KEY", "DEFAULT", "KERNEL", "ORIGINAL", "STEP", "StepCodes"]
+__all__ = ["CONTEXT_KEY", "DEFAULT", "FAILED", "KERNEL", "ORIGINAL", "STEP", "VARIANTS", "StepCodes", "variant_code"]
 
 #: The key of ``ForwardContext.additional_kwargs`` that holds the codes.
 CONTEXT_KEY = "kernelpolicy_codes"
-#: A row's code for an op: vLLM's own choice, the kernel, the original.
-DEFAULT, KERNEL, ORIGINAL = 0, 1, 2
+_log = logging.getLogger("kernelpolicy.vllm")
+#: The attribute of a step's ``ModelRunnerOutput`` that carries its failed requests (request id -> error).
+FAILED = "kernelpolicy_failed"
+#: A row's code for an op: vLLM's own choice, the kernel, the original; from ``VARIANTS`` on, an IR provider.
+DEFAULT, KERNEL, ORIGINAL, VARIANTS = 0, 1, 2, 3
 #: Columns a worker keeps (one per governed op: vLLM 0.32 has under 100 CustomOps and IR ops).
 CAPACITY = 256
 _CODE = {"prefer": KERNEL, "disable": ORIGINAL}
 
 
 class StepCodes:
-    """The codes of the current step in this worker process, and the columns of the governed ops."""
+    """The codes of the current step in this worker process, the columns of the governed ops, the step's failures."""
 
     def __init__(self) -> None:
         self.columns: dict[str, int] = {}
         self.buffer: torch.Tensor | None = None
         #: Whether a request of the current step carries a policy (eager layers skip everything when not).
         self.mixed = False
+        #: The requests that failed in this step: request id -> the error's text (taken by the runner).
+        self.failed: dict[str, str] = {}
         self._filled = 0  # rows of the buffer that may be non-zero
         self._rows: dict[RequestPolicy, np.ndarray[Any, np.dtype[np.int8]]] = {}
+        self._step: tuple[list[str], list[RequestPolicy | None], np.ndarray[Any, Any]] = ([], [], np.zeros(0))
 
     def column(self, op: str) -> int:
         """The column of ``op`` (given on first sight: a layer built, an IR op known)."""
@@ -66,12 +81,13 @@ class StepCodes:
             for op, column in self.columns.items():
                 entry = policy.entry(op)
                 if entry is not None:
-                    found[column] = _CODE[entry]
+                    found[column] = _CODE[entry] if entry in _CODE else variant_code(op, variant_names(entry))
             self._rows[policy] = found
         return found
 
-    def fill(self, policies: list[RequestPolicy | None], tokens: np.ndarray[Any, Any]) -> None:
-        """The codes of a step whose rows, in batch order, have ``policies`` and ``tokens`` scheduled tokens."""
+    def fill(self, requests: list[str], policies: list[RequestPolicy | None], tokens: np.ndarray[Any, Any]) -> None:
+        """The codes of a step whose rows, in batch order, are ``requests`` with ``policies`` and ``tokens``
+        scheduled tokens."""
         buffer = self.buffer
         if buffer is None:
             return
@@ -81,6 +97,7 @@ class StepCodes:
                 self._filled = 0
             self.mixed = False
             return
+        self._step = (requests, policies, tokens)
         zero = np.zeros(CAPACITY, dtype=np.int8)
         rows = np.stack([zero if policy is None else self.codes_of(policy) for policy in policies])
         per_token = np.repeat(rows, tokens, axis=0)
@@ -91,20 +108,60 @@ class StepCodes:
         self._filled = count
         self.mixed = True
 
+    def fail(self, rows: torch.Tensor, path: str, error: Exception) -> None:
+        """``path`` raised ``error`` on the token rows where ``rows`` is true: their requests fail (the first error
+        of a request is the one it reports), but those whose policy falls back on ``error`` (``fallback_on``)."""
+        requests, policies, tokens = self._step
+        ends = np.cumsum(tokens)
+        hit = np.unique(np.searchsorted(ends, rows.nonzero().flatten().cpu().numpy(), side="right"))
+        for index in hit.tolist():
+            policy = policies[index] if index < len(policies) else None
+            if policy is not None and isinstance(error, exception_types(policy.policy.fallback_on)):
+                continue
+            if index < len(requests) and requests[index] not in self.failed:
+                given = "no kernel policy (vLLM's own path)" if policy is None else f"kernel policy {str(policy)!r}"
+                self.failed[requests[index]] = message = (
+                    f"kernelpolicy: {path} raised {type(error).__name__}: {error} (the request's {given}; "
+                    f"fallback_on names the exceptions on which it would run the original instead)"
+                )
+                _log.warning("request %s failed: %s", requests[index], message)
+
+    def take_failed(self) -> dict[str, str]:
+        """The step's failures, cleared."""
+        found, self.failed = self.failed, {}
+        return found
+
+
+def variant_code(op: str, names: tuple[str, ...]) -> int:
+    """The code of a variant entry of IR op ``op`` naming providers ``names``: :data:`VARIANTS` plus the place of
+    the first that this platform supports among the op's implementations (``default``: the op's kernel,
+    :data:`KERNEL`); :data:`ORIGINAL` where none is (admission refuses such a policy)."""
+    from vllm.ir.op import IrOp
+
+    impls = list(IrOp.registry[op].impls.values()) if op in IrOp.registry else []
+    for name in names:
+        if name == DEFAULT_VARIANT:
+            return KERNEL
+        for place, impl in enumerate(impls):
+            if impl.provider == name and impl.supported and name != "native":
+                return VARIANTS + place
+    return ORIGINAL
+
 
 #: This process's codes.
 STEP = StepCodes()
 
 
-def step_policies(runner: Any) -> list[RequestPolicy | None]:
-    """The policy of each row of ``runner``'s input batch (a ``GPUModelRunner``), in batch order."""
+def step_policies(runner: Any) -> tuple[list[str], list[RequestPolicy | None]]:
+    """The request ids and policies of ``runner``'s input batch (a ``GPUModelRunner``), in batch order."""
     found: list[RequestPolicy | None] = []
     requests = runner.requests
-    for request_id in runner.input_batch.req_ids:
+    ids: list[str] = list(runner.input_batch.req_ids)
+    for request_id in ids:
         params = requests[request_id].sampling_params
         extra = None if params is None else params.extra_args
         found.append(None if not extra or KEY not in extra else request_policy(extra[KEY]))
-    return found
+    return ids, found
 
 
 def codes_in_context() -> torch.Tensor | None:

@@ -3,25 +3,27 @@
 This module owns :func:`govern_custom_op` (a ``CustomOp`` layer, when built: its kernel is the platform forward,
 ``forward_cpu`` / ``forward_cuda`` / ..., its original ``forward_native``), :func:`ir_inner_call` (an IR op's call:
 its kernel is the first provider other than ``native`` that the platform supports for the call, by vLLM's priority
-list first, its original the ``native`` provider) and :func:`choose`, one call's choice: with no policy in the step,
-vLLM's own path and nothing else (eager); where rows differ, both paths (the kernel on clones of the caller's
-tensors, so an in-place kernel never writes what the original reads) joined per token with ``torch.where`` on the
-codes. Traced code (vLLM compiles once, every guard dropped) always takes the second form: the choice is data.
+list first, its original the ``native`` provider, its variants the other providers the platform supports) and
+:func:`choose`, one call's choice: with no policy in the step, vLLM's own path and nothing else (eager); where rows
+differ, each path that a row takes, once (a kernel on clones of the caller's tensors, so an in-place kernel never
+writes what the original reads), joined per token with ``torch.where`` on the codes. A kernel or variant that raises
+fails the requests of its rows (``StepCodes.fail``), whose rows then take the original, so the step goes on for the
+others. Traced code (vLLM compiles once, every guard dropped) computes every path on every row: the choice is data.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
 from .._values._tensors import map_tensors
-from ._codes import KERNEL, ORIGINAL, STEP, codes_in_context
+from ._codes import DEFAULT, KERNEL, STEP, VARIANTS, codes_in_context
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-__all__ = ["choose", "govern_custom_op", "ir_inner_call", "platform_forward"]
+__all__ = ["Paths", "choose", "govern_custom_op", "ir_inner_call", "platform_forward"]
 
 #: The platform forward a ``CustomOp`` dispatches to when enabled, by platform (vLLM's ``dispatch_forward``).
 _PLATFORMS = (
@@ -46,6 +48,22 @@ def platform_forward(op: Any) -> Callable[..., Any] | None:
     return forward
 
 
+class Paths(NamedTuple):
+    """The paths of one call of governed op ``op``: vLLM's ``default``, the ``kernel`` (``kernel_name`` says which,
+    in errors), the ``original``, and the IR providers that variant codes name (``variant(code)``: the provider's
+    name and function, None where it cannot take the call)."""
+
+    op: str
+    default_is_kernel: bool
+    default: Callable[..., Any]
+    kernel: Callable[..., Any]
+    kernel_name: str
+    original: Callable[..., Any]
+    variant: Callable[[int], tuple[str, Callable[..., Any]] | None] = lambda code: None
+    #: The variant codes a traced call computes (every IR provider the platform supports for the call).
+    traced_variants: tuple[int, ...] = ()
+
+
 def govern_custom_op(op: Any) -> None:
     """Make a just-built ``CustomOp`` layer choose per row (nothing where the platform has no kernel of its own)."""
     kernel = platform_forward(op)
@@ -54,10 +72,12 @@ def govern_custom_op(op: Any) -> None:
     default = op._forward_method
     default_is_kernel = default == kernel
     original = op.forward_native if default_is_kernel else default
-    column = STEP.column(type(op).name)
+    name = type(op).name
+    column = STEP.column(name)
+    paths = Paths(name, default_is_kernel, default, kernel, f"{type(op).__name__}.{kernel.__name__}", original)
 
     def forward(*args: Any, **kwargs: Any) -> Any:
-        return choose(column, default_is_kernel, kernel, original, default, args, kwargs, clone=True)
+        return choose(column, paths, args, kwargs, clone=True)
 
     op._forward_method = forward
 
@@ -68,63 +88,97 @@ def ir_inner_call(op: Any, inner: Callable[..., Any], args: tuple[Any, ...], kwa
     if column is None or (not STEP.mixed and not torch.compiler.is_compiling()):
         return inner(op, *args, **kwargs)
     native = op.impls["native"]
-    priority = list(op._priority_impls)
-    kernel = next(
-        (
-            impl
-            for impl in priority + [impl for impl in op.impls.values() if impl not in priority]
-            if impl.provider != "native" and impl.supported and impl.supports_args(*args, **kwargs)
-        ),
-        None,
-    )
+    impls = list(op.impls.values())
+    takes = [impl is not native and impl.supported and impl.supports_args(*args, **kwargs) for impl in impls]
+    ranked = [impl for impl in op._priority_impls if impl is not native] + impls
+    kernel = next((impl for impl in ranked if takes[impls.index(impl)]), None)
     if kernel is None:
         return inner(op, *args, **kwargs)
-    default_is_kernel = op.dispatch(*args, **kwargs) is not native
 
     def default(*args: Any, **kwargs: Any) -> Any:
         return inner(op, *args, **kwargs)
 
-    return choose(
-        column, default_is_kernel, kernel.func_impl_fn, native.func_impl_fn, default, args, kwargs, clone=False
+    def variant(code: int) -> tuple[str, Callable[..., Any]] | None:
+        place = code - VARIANTS
+        if 0 <= place < len(impls) and takes[place]:
+            return f"provider {impls[place].provider!r}", impls[place].func_impl_fn
+        return None
+
+    paths = Paths(
+        op.name,
+        op.dispatch(*args, **kwargs) is not native,
+        default,
+        kernel.func_impl_fn,
+        f"provider {kernel.provider!r}",
+        native.func_impl_fn,
+        variant,
+        tuple(VARIANTS + place for place, ok in enumerate(takes) if ok),
     )
+    return choose(column, paths, args, kwargs, clone=False)
 
 
-def choose(
-    column: int,
-    default_is_kernel: bool,
-    kernel: Callable[..., Any],
-    original: Callable[..., Any],
-    default: Callable[..., Any],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    *,
-    clone: bool,
-) -> Any:
+def choose(column: int, paths: Paths, args: tuple[Any, ...], kwargs: dict[str, Any], *, clone: bool) -> Any:
     """One call of a governed op: each token's row takes the path its code gives (``default``: vLLM's own)."""
     compiling = torch.compiler.is_compiling()
     if not compiling and not STEP.mixed:
-        return default(*args, **kwargs)
+        return paths.default(*args, **kwargs)
     codes = codes_in_context()
     first = next((a for a in args if isinstance(a, torch.Tensor) and a.dim() >= 1), None)
     if codes is None or first is None:
-        return default(*args, **kwargs)
+        return paths.default(*args, **kwargs)
     count = first.shape[0]
     if not compiling and count > codes.shape[0]:
-        return default(*args, **kwargs)
+        return paths.default(*args, **kwargs)
     rows = codes[:count, column]
-    kernel_rows = rows != ORIGINAL if default_is_kernel else rows == KERNEL
-    if not compiling:
-        if bool(kernel_rows.all()):
-            return kernel(*args, **kwargs)
-        if not bool(kernel_rows.any()):
-            return original(*args, **kwargs)
     caller = {id(t) for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)}
+    kernel_rows = rows == KERNEL
+    if paths.default_is_kernel:
+        kernel_rows = kernel_rows | (rows == DEFAULT)
+    if compiling:
+        # traced once for every step: every path on every row, joined by the codes (data: no guard, no recompile)
+        kernel_out = _run(paths.kernel, args, kwargs, clone, count)
+        joined = _joined(kernel_rows, kernel_out, paths.original(*args, **kwargs), count, caller)
+        for code in paths.traced_variants:
+            found = paths.variant(code)
+            if found is not None:
+                joined = _joined(rows == code, found[1](*args, **kwargs), joined, count, caller)
+        return joined
+    # eager: each path that a row takes, once; a kernel that raises fails the requests of its rows
+    taken: dict[int, tuple[str, Callable[..., Any], torch.Tensor]] = {}
+    original = False
+    for code in torch.unique(rows).tolist():
+        found = paths.variant(code) if code >= VARIANTS else None
+        if found is not None:
+            taken[code] = (f"{paths.op}'s variant ({found[0]})", found[1], rows == code)
+        elif code == KERNEL or (code == DEFAULT and paths.default_is_kernel):
+            taken[KERNEL] = (f"{paths.op}'s kernel ({paths.kernel_name})", paths.kernel, kernel_rows)
+        else:
+            original = True
+    if not original and len(taken) == 1:
+        [(name, function, mask)] = taken.values()
+        try:
+            return function(*args, **kwargs)
+        except Exception as error:  # noqa: BLE001  # any kernel error fails its rows' requests, not the step
+            STEP.fail(mask, name, error)
+            return paths.original(*args, **kwargs)
+    outputs: list[tuple[torch.Tensor, Any]] = []
+    for name, function, mask in taken.values():
+        try:
+            outputs.append((mask, _run(function, args, kwargs, clone, count)))
+        except Exception as error:  # noqa: BLE001  # any kernel error fails its rows' requests, not the step
+            STEP.fail(mask, name, error)
+    joined = paths.original(*args, **kwargs)
+    for mask, output in outputs:
+        joined = _joined(mask, output, joined, count, caller)
+    return joined
+
+
+def _run(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], clone: bool, count: int) -> Any:
+    """``function``'s output on the call's tensors (on clones of those with the call's rows where ``clone``: a
+    kernel that writes in place never touches what another path reads)."""
     if clone:
-        own_args, own_kwargs = map_tensors((args, kwargs), lambda t: t.clone() if _rows_of(t, count) else t)
-        kernel_out = kernel(*own_args, **own_kwargs)
-    else:
-        kernel_out = kernel(*args, **kwargs)
-    return _joined(kernel_rows, kernel_out, original(*args, **kwargs), count, caller)
+        args, kwargs = map_tensors((args, kwargs), lambda t: t.clone() if _rows_of(t, count) else t)
+    return function(*args, **kwargs)
 
 
 def _rows_of(tensor: torch.Tensor, count: int) -> bool:
