@@ -50,8 +50,10 @@ def test_a_policy_is_a_string_or_a_dict_of_vllm_op_entries() -> None:
         ("bogus_op=prefer", ["'bogus_op'", "rms_norm"]),
         ("require", ["'require'", "not built", "'prefer' or 'disable'"]),
         ({"rms_norm": "verify"}, ["'verify'", "rms_norm", "not built"]),
-        ({"rms_norm": "kernel:vllm_c"}, ["'kernel:vllm_c'", "not built"]),
-        ("prefer,fallback_on=RuntimeError", ["options", "not built"]),
+        ({"rms_norm": "kernel:vllm_c"}, ["'kernel:vllm_c'", "'rms_norm'", "none of these providers", "'disable'"]),
+        ("rms_norm=kernel:nope", ["'kernel:nope'", "no provider 'nope'"]),
+        ("silu_and_mul=kernel:fast", ["'kernel:fast'", "not an IR op", "rms_norm"]),
+        ("prefer,atol=0.1", ["options other than fallback_on", "atol", "not built"]),
         (3, ["3", "int", "string"]),
         ({1: "prefer"}, ["1", "strings"]),
     ],
@@ -93,6 +95,30 @@ def test_the_plugin_does_nothing_when_off_and_patches_once_when_on() -> None:
         plugin.register()
         load_general_plugins()
         assert (CustomOp.__init__, IrOp._inner_call) == once
+        print("ok")
+    """
+    assert _python(code, {"KERNELPOLICY_VLLM": "0"}, timeout=300).strip().endswith("ok")
+
+
+def test_a_vllm_without_a_seam_the_plugin_needs_does_not_start_with_the_switch_on() -> None:
+    code = """
+        import kernelpolicy.vllm as plugin
+        from kernelpolicy._compat._compat import VLLM_SEAMS, probe
+        found = [f for f in probe() if f.internal in VLLM_SEAMS]
+        assert len(found) == len(VLLM_SEAMS) and all(f.present for f in found), [str(f) for f in found]
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+        del GPUModelRunner._prepare_inputs  # a release that moved it
+        import os
+        os.environ["KERNELPOLICY_VLLM"] = "1"
+        try:
+            plugin.register()
+        except RuntimeError as error:
+            message = str(error)
+        else:
+            raise AssertionError("registered")
+        assert not plugin.installed()
+        assert "vllm.v1.worker.gpu_model_runner.GPUModelRunner._prepare_inputs" in message, message
+        assert "KERNELPOLICY_VLLM" in message and "doctor" in message, message
         print("ok")
     """
     assert _python(code, {"KERNELPOLICY_VLLM": "0"}, timeout=300).strip().endswith("ok")

