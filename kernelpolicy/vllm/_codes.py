@@ -51,6 +51,9 @@ class StepCodes:
         self.buffer: torch.Tensor | None = None
         #: Whether a request of the current step carries a policy (eager layers skip everything when not).
         self.mixed = False
+        #: Per column, the code every row of the current step has, or -1 where rows differ (eager layers whose
+        #: rows all take one path call it without reading the codes).
+        self.uniform: list[int] = [DEFAULT] * CAPACITY
         #: The requests that failed in this step: request id -> the error's text (taken by the runner).
         self.failed: dict[str, str] = {}
         self._filled = 0  # rows of the buffer that may be non-zero
@@ -100,6 +103,7 @@ class StepCodes:
         self._step = (requests, policies, tokens)
         zero = np.zeros(CAPACITY, dtype=np.int8)
         rows = np.stack([zero if policy is None else self.codes_of(policy) for policy in policies])
+        self.uniform = np.where((rows == rows[0]).all(axis=0), rows[0], -1).tolist()
         per_token = np.repeat(rows, tokens, axis=0)
         count = per_token.shape[0]
         buffer[:count].copy_(torch.from_numpy(per_token))
@@ -108,12 +112,16 @@ class StepCodes:
         self._filled = count
         self.mixed = True
 
-    def fail(self, rows: torch.Tensor, path: str, error: Exception) -> None:
-        """``path`` raised ``error`` on the token rows where ``rows`` is true: their requests fail (the first error
-        of a request is the one it reports), but those whose policy falls back on ``error`` (``fallback_on``)."""
+    def fail(self, rows: torch.Tensor | None, path: str, error: Exception) -> None:
+        """``path`` raised ``error`` on the token rows where ``rows`` is true (None: every row): their requests fail
+        (the first error of a request is the one it reports), but those whose policy falls back on ``error``
+        (``fallback_on``)."""
         requests, policies, tokens = self._step
-        ends = np.cumsum(tokens)
-        hit = np.unique(np.searchsorted(ends, rows.nonzero().flatten().cpu().numpy(), side="right"))
+        if rows is None:
+            hit = np.arange(len(requests))
+        else:
+            ends = np.cumsum(tokens)
+            hit = np.unique(np.searchsorted(ends, rows.nonzero().flatten().cpu().numpy(), side="right"))
         for index in hit.tolist():
             policy = policies[index] if index < len(policies) else None
             if policy is not None and isinstance(error, exception_types(policy.policy.fallback_on)):

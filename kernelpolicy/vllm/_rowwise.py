@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from .._values._tensors import map_tensors
-from ._codes import DEFAULT, KERNEL, STEP, VARIANTS, codes_in_context
+from ._codes import DEFAULT, KERNEL, ORIGINAL, STEP, VARIANTS, codes_in_context
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -63,6 +63,16 @@ class Paths(NamedTuple):
     #: The variant codes a traced call computes (every IR provider the platform supports for the call).
     traced_variants: tuple[int, ...] = ()
 
+    def path(self, code: int) -> tuple[int, str, Callable[..., Any]] | None:
+        """The path of rows with ``code``: its key (``KERNEL``, or the variant's code), its name in errors, its
+        function; None for the original."""
+        found = self.variant(code) if code >= VARIANTS else None
+        if found is not None:
+            return code, f"{self.op}'s variant ({found[0]})", found[1]
+        if code == KERNEL or (code == DEFAULT and self.default_is_kernel):
+            return KERNEL, f"{self.op}'s kernel ({self.kernel_name})", self.kernel
+        return None
+
 
 def govern_custom_op(op: Any) -> None:
     """Make a just-built ``CustomOp`` layer choose per row (nothing where the platform has no kernel of its own)."""
@@ -85,9 +95,15 @@ def govern_custom_op(op: Any) -> None:
 def ir_inner_call(op: Any, inner: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """One call of IR op ``op`` (``inner``: vLLM's ``IrOp._inner_call``), each row on its own path."""
     column = STEP.columns.get(op.name)
-    if column is None or (not STEP.mixed and not torch.compiler.is_compiling()):
+    compiling = torch.compiler.is_compiling()
+    if column is None or (not STEP.mixed and not compiling):
         return inner(op, *args, **kwargs)
     native = op.impls["native"]
+    uniform = DEFAULT if compiling else STEP.uniform[column]
+    if uniform == ORIGINAL:
+        return native.func_impl_fn(*args, **kwargs)
+    if uniform == DEFAULT and not compiling:
+        return inner(op, *args, **kwargs)
     impls = list(op.impls.values())
     takes = [impl is not native and impl.supported and impl.supports_args(*args, **kwargs) for impl in impls]
     ranked = [impl for impl in op._priority_impls if impl is not native] + impls
@@ -120,8 +136,12 @@ def ir_inner_call(op: Any, inner: Callable[..., Any], args: tuple[Any, ...], kwa
 def choose(column: int, paths: Paths, args: tuple[Any, ...], kwargs: dict[str, Any], *, clone: bool) -> Any:
     """One call of a governed op: each token's row takes the path its code gives (``default``: vLLM's own)."""
     compiling = torch.compiler.is_compiling()
-    if not compiling and not STEP.mixed:
-        return paths.default(*args, **kwargs)
+    if not compiling:
+        if not STEP.mixed:
+            return paths.default(*args, **kwargs)
+        uniform = STEP.uniform[column]
+        if uniform >= 0:  # every row of the step takes one path: no codes read
+            return _uniform(uniform, paths, args, kwargs)
     codes = codes_in_context()
     first = next((a for a in args if isinstance(a, torch.Tensor) and a.dim() >= 1), None)
     if codes is None or first is None:
@@ -147,20 +167,14 @@ def choose(column: int, paths: Paths, args: tuple[Any, ...], kwargs: dict[str, A
     taken: dict[int, tuple[str, Callable[..., Any], torch.Tensor]] = {}
     original = False
     for code in torch.unique(rows).tolist():
-        found = paths.variant(code) if code >= VARIANTS else None
-        if found is not None:
-            taken[code] = (f"{paths.op}'s variant ({found[0]})", found[1], rows == code)
-        elif code == KERNEL or (code == DEFAULT and paths.default_is_kernel):
-            taken[KERNEL] = (f"{paths.op}'s kernel ({paths.kernel_name})", paths.kernel, kernel_rows)
-        else:
+        path = paths.path(code)
+        if path is None:
             original = True
+        elif path[0] not in taken:
+            taken[path[0]] = (path[1], path[2], kernel_rows if path[0] == KERNEL else rows == code)
     if not original and len(taken) == 1:
         [(name, function, mask)] = taken.values()
-        try:
-            return function(*args, **kwargs)
-        except Exception as error:  # noqa: BLE001  # any kernel error fails its rows' requests, not the step
-            STEP.fail(mask, name, error)
-            return paths.original(*args, **kwargs)
+        return _alone(name, function, mask, paths, args, kwargs)
     outputs: list[tuple[torch.Tensor, Any]] = []
     for name, function, mask in taken.values():
         try:
@@ -171,6 +185,33 @@ def choose(column: int, paths: Paths, args: tuple[Any, ...], kwargs: dict[str, A
     for mask, output in outputs:
         joined = _joined(mask, output, joined, count, caller)
     return joined
+
+
+def _uniform(code: int, paths: Paths, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """One eager call whose rows all have ``code``: that path alone."""
+    if code == DEFAULT:
+        return paths.default(*args, **kwargs)
+    found = paths.path(code)
+    if found is None:
+        return paths.original(*args, **kwargs)
+    return _alone(found[1], found[2], None, paths, args, kwargs)
+
+
+def _alone(
+    name: str,
+    function: Callable[..., Any],
+    rows: torch.Tensor | None,
+    paths: Paths,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    """``function`` (a kernel or a variant) on every row of the call; where it raises, the requests of ``rows``
+    (None: of the step) fail and the original runs instead."""
+    try:
+        return function(*args, **kwargs)
+    except Exception as error:  # noqa: BLE001  # any kernel error fails its rows' requests, not the step
+        STEP.fail(rows, name, error)
+        return paths.original(*args, **kwargs)
 
 
 def _run(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], clone: bool, count: int) -> Any:
