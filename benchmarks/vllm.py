@@ -43,7 +43,6 @@ import contextlib
 import datetime
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -54,6 +53,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Protocol
+
+from benchmarks.serve_mixing import _prompts, process_group
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
@@ -142,27 +143,6 @@ def _settings(options: argparse.Namespace) -> dict[str, Any]:
     return settings | ({"gpu_memory_utilization": 0.3} if options.device == "cuda" else {})
 
 
-@contextlib.contextmanager
-def _process(command: list[str], env: dict[str, str], log: Path, **popen: Any) -> Iterator[subprocess.Popen[Any]]:
-    """``command`` in a session of its own writing to ``log``; its process group stopped after (SIGTERM, then
-    SIGKILL): the engine core and workers it spawned too."""
-    with log.open("wb") as output:
-        process = subprocess.Popen(
-            command, env=env, stdout=output, stderr=subprocess.STDOUT, start_new_session=True, **popen
-        )
-    try:
-        yield process
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(60)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
-            process.wait(30)
-
-
 class Offline:
     """An ``LLM`` in a child process (:func:`_engine`): a batch of requests in over its stdin, answers out over a
     pipe of their own (vLLM logs to stdout)."""
@@ -191,7 +171,7 @@ def offline(model: Path, mode: str, switch: bool, options: argparse.Namespace, l
     command = [sys.executable, "-m", "benchmarks.vllm", "_engine", str(model), mode, str(write)]
     command.append(json.dumps(_settings(options)))
     env = _environment(switch, options.device, options.test_kernel)
-    with _process(command, env, log, stdin=subprocess.PIPE, text=True, pass_fds=(write,), cwd=ROOT) as process:
+    with process_group(command, env, log, stdin=subprocess.PIPE, text=True, pass_fds=(write,), cwd=ROOT) as process:
         os.close(write)
         with os.fdopen(read) as replies:
             engine = Offline(process, replies, log)
@@ -315,17 +295,10 @@ def online(model: Path, mode: str, switch: bool, options: argparse.Namespace, lo
         command += [f"--{name.replace('_', '-')}", str(value)]
     command += ["--enforce-eager"] if mode == "eager" else []
     env = _environment(switch, options.device, options.test_kernel)
-    with _process(command, env, log, cwd=ROOT) as process:
+    with process_group(command, env, log, cwd=ROOT) as process:
         url = f"http://127.0.0.1:{port}"
         wait_for_health(url, process, START_S, log=log)
         yield Online(url, options.streams)
-
-
-def _prompts(count: int) -> list[list[int]]:
-    """``count`` prompts of 4 to 12 token ids (1-255), fixed by a seed (as benchmarks.serve_mixing's)."""
-    from benchmarks.serve_mixing import _prompts as prompts
-
-    return prompts(count)
 
 
 def _policies(arm: tuple[str, bool, tuple[str | None, ...]], count: int) -> list[str | None]:
@@ -338,7 +311,7 @@ def run_block(
     """One mode and way: both engines, the warm-up, the rounds and the check; per arm the tokens/s and the time per
     output token by round, and the mismatches."""
     started: Callable[..., AbstractContextManager[Engine]] = online if way == "online" else offline
-    prompts = _prompts(options.requests)
+    prompts = _prompts(options.requests)  # benchmarks.serve_mixing's
     rates: dict[str, list[float]] = {arm: [] for arm, _, _ in ARMS}
     per_token: dict[str, list[float]] = {arm: [] for arm, _, _ in ARMS}
     answered: list[tuple[str, int, list[int]]] = []
