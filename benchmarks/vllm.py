@@ -22,7 +22,7 @@ Each block has two engines up at once, started one after the other, neither busy
 with no policy on any request; one policy on every request (``disable``: every op's original, vLLM's own path on a
 CPU); 2 and 4 policies mixed in each batch (request i under the i-th of ``disable``, ``prefer``,
 ``rotary_embedding=prefer``, ``prefer,rms_norm=disable``, cyclically). After a warm-up of every arm, each round runs
-every arm once (1.5 s apart: a vLLM worker spins for 1 s after its last step), the order rotated round by round, so
+every arm once (1.2 s apart: a vLLM worker spins for 1 s after its last step), the order rotated round by round, so
 a phase of the shared machine hits every arm. Printed: a line
 per round, then per block and arm the medians over rounds of tokens/s and of the time per output token, and the
 medians of the per-round ratios of tokens/s to plain vLLM and to one policy, each beside its target (issue 48: the
@@ -104,7 +104,7 @@ PER_TOKEN = "vllm:request_time_per_output_token_seconds"
 #: A vLLM worker spins (``sched_yield``) for 1 s after its last step before it sleeps on a socket (``SpinCondition``
 #: in ``vllm/distributed/device_communicators/shm_broadcast.py``): each arm waits this long first, so the worker of
 #: the arm before, in the other engine, is not spinning on a core while it runs.
-IDLE_S = 1.5
+IDLE_S = 1.2
 #: How long an engine may take to load on a shared 2-core machine (25-100 s alone, more when compiling).
 START_S = 600
 
@@ -392,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--modes", default="eager,compiled", help="comma-separated: eager, compiled")
     parser.add_argument("--ways", default="offline,online", help="comma-separated: offline, online")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--requests", type=int, default=8, help="requests of each arm in a round (one batch)")
     parser.add_argument("--streams", type=int, default=8, help="online: concurrent client streams")
     parser.add_argument("--tokens", type=int, default=32, help="new tokens per request")
