@@ -73,6 +73,27 @@ def _prompts(count: int) -> list[list[int]]:
 
 
 @contextlib.contextmanager
+def process_group(command: list[str], env: dict[str, str], log: Path, **popen: Any) -> Iterator[subprocess.Popen[Any]]:
+    """``command`` in a session of its own writing to ``log``; its process group stopped after (SIGTERM, then
+    SIGKILL): a server and what it spawned (vLLM's engine core and workers) too."""
+    with log.open("wb") as output:
+        process = subprocess.Popen(
+            command, env=env, stdout=output, stderr=subprocess.STDOUT, start_new_session=True, **popen
+        )
+    try:
+        yield process
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait(30)
+
+
+@contextlib.contextmanager
 def _server(kind: str, folder: Path, repo: Path, log: Path) -> Iterator[str]:
     """One server of ``kind`` (``plain``, ``kernelpolicy``, ``no-metrics``) until /health answers; its URL. Its
     process group (it and what it spawned) is stopped after."""
@@ -87,20 +108,10 @@ def _server(kind: str, folder: Path, repo: Path, log: Path) -> Iterator[str]:
     command += ["--continuous-batching", "--cb-num-blocks", "256", "--cb-max-batch-tokens", "512"]
     command += ["--device", "cpu", "--host", "127.0.0.1", "--port", str(port)]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_UPDATE_CHECK": "1", "KERNELPOLICY": ""}
-    with log.open("w") as output:
-        server = subprocess.Popen(command, env=env, stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
+    with process_group(command, env, log) as server:
+        url = f"http://127.0.0.1:{port}"
         wait_for_health(url, server, 300, log=log)
         yield url
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait(30)
 
 
 def _ask(url: str, model: str, prompt: list[int], policy: str | None, tokens: int) -> list[int]:
