@@ -42,6 +42,7 @@ from ._dispatch import (
     Path,
     autograd_records,
     decide,
+    forward_variant,
     make_forward,
 )
 from ._failures import failed, first_time, log_fallback, log_once, reset_failures, unsupported, variant_failed
@@ -84,6 +85,7 @@ class Binding:
 
     __slots__ = (
         "can_torch_compile",
+        "direct_kernel",
         "dispatcher",
         "dropped",
         "dtensor_failure",
@@ -268,6 +270,8 @@ class Binding:
         """
         old = self.dispatcher if previous is None else previous
         new = self.dispatcher = make_forward(self)
+        #: The kernel each eager prefer or require call runs, whatever the call, else None (a mixed call's groups).
+        self.direct_kernel = self.kernel if forward_variant(self) == "always_usable" else None
         state = self.module.__dict__
         if self.wrapper is None or "forward" not in state:
             state["forward"] = new
@@ -487,8 +491,7 @@ def _raise_unavailable(binding: Binding, reason: str) -> None:
     raise binding.error(reason)
 
 
-# The mark ``torch.compiler.disable`` puts on a function: TorchDynamo calls it eagerly instead of tracing it. Set
-# directly, since ``torch.compiler.disable`` imports TorchDynamo (over a second) at import time (``_attributes``).
+# ``torch.compiler.disable``'s mark (called eagerly, not traced), set directly: that imports TorchDynamo (over 1 s).
 setattr(_raise_unavailable, DYNAMO_DISABLE_MARK, True)
 
 

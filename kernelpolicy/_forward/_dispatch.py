@@ -102,7 +102,7 @@ if TYPE_CHECKING:
     from .._values._policy import PolicyMode
     from ._replay import Replays
 
-__all__ = ["Dispatched", "Path", "autograd_records", "decide", "make_forward"]
+__all__ = ["Dispatched", "Path", "autograd_records", "decide", "forward_variant", "make_forward"]
 
 logger = logging.getLogger("kernelpolicy")
 
@@ -455,23 +455,23 @@ def _factory(variant: str, function: Callable[..., Any], layer_name: str) -> Cal
     return found
 
 
+def forward_variant(binding: Dispatched) -> str:
+    """Which of the four forwards ``binding``'s module gets (see :func:`make_forward`). A kernel whose layer has a
+    rule (``kernel_accepts``) takes ``ruled``: ``general`` that also asks the rule (:meth:`Binding.refused`)."""
+    if binding.kernel is None and not binding.variants:
+        return "without_kernel"
+    if binding.layer_name in RULES or binding.stopped is not None or binding.variants:
+        return "ruled"
+    return "always_usable" if binding.can_torch_compile and binding.has_backward else "general"
+
+
 def make_forward(binding: Dispatched) -> Callable[..., Any]:
     """Build the ``forward`` a policy-aware module calls.
 
-    Four variants, chosen once per binding so that each call tests only what
-    can change between calls (the policy, the tracer, the autograd state),
-    each with the original forward's parameters. A kernel whose layer has a
-    rule (``kernel_accepts``) takes ``ruled``: ``general`` that also asks the
-    rule (:meth:`Binding.refused`) before the kernel runs.
+    Four variants (:func:`forward_variant`), chosen once per binding so that each call tests only what can change
+    between calls (the policy, the tracer, the autograd state), each with the original forward's parameters.
     """
-    if binding.kernel is None and not binding.variants:
-        variant = "without_kernel"
-    elif binding.layer_name in RULES or binding.stopped is not None or binding.variants:
-        variant = "ruled"
-    elif binding.can_torch_compile and binding.has_backward:
-        variant = "always_usable"
-    else:
-        variant = "general"
+    variant = forward_variant(binding)
     forward = _factory(variant, binding.original, binding.layer_name)(
         binding.original,
         binding.kernel,

@@ -195,12 +195,24 @@ def _run_eager(binding: Mixed, members: Members, args: tuple[Any, ...], kwargs: 
     if len(groups) > 1 and rows.by == "request":  # kept apart (see kept_apart): this step runs a policy at a time
         raise UnsplittableCall(name, "its rows go by request: each policy's requests run in a step of their own", None)
     if len(groups) == 1:  # the policies differ on the layer, not on its path here (no kernel bound, say)
+        group = groups[0]
         try:
-            with groups[0].scope:
+            function = _function(binding, group)
+            if function is not None:
+                try:
+                    return function(binding.module, *args, **kwargs)
+                except NotImplementedError:
+                    if function is binding.original:
+                        raise
+                    # a kernel that does not support the call: its forward says what that does, below
+            with group.scope:
                 return binding.dispatcher(*args, **kwargs)
         except Exception as error:
-            raise MixedCallError(groups[0].policies, error) from error
+            raise MixedCallError(group.policies, error) from error
     count = len(step.host_rows)
+    out = _run_direct(binding, groups, count, args, kwargs)
+    if out is not _GENERAL:
+        return out
     call = GroupInputs(name, count, args, kwargs)
     ran = [_run_group(binding, group, call) for group in groups]
     try:
@@ -316,6 +328,54 @@ def _mask_along(group: Group, dims: int, axis: int) -> torch.Tensor:
         shape[axis] = group.mask.shape[0]
         found = group.views[dims, axis] = group.mask.view(shape)
     return found
+
+
+#: What :func:`_run_direct` returns where the call goes the general way.
+_GENERAL: Final = object()
+
+
+def _function(binding: Mixed, group: Group) -> Callable[..., Any] | None:
+    """``group``'s path as a function called ``f(module, *args, **kwargs)`` where its forward would decide nothing
+    per call (``Group.direct``, and grad off: no recomputation to record), else None."""
+    if group.direct is None or torch.is_grad_enabled():
+        return None
+    return binding.original if group.direct == "original" else binding.direct_kernel
+
+
+def _run_direct(binding: Mixed, groups: list[Group], count: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """A mixed call whose groups all run their paths as functions (:func:`_function`), without scopes or forwards:
+    a group on every row gets the caller's own tensors (its path seen not to write them, their versions checked
+    after), one on its own rows a copy of them. :data:`_GENERAL` where a group cannot, or one raised: the call then
+    goes the general way (which runs each group again, as its forward says)."""
+    seen = _WRITES.get(binding.module)
+    functions = []
+    for group in groups:
+        function = _function(binding, group)
+        if function is None or (group.rows is None and (seen is None or seen.get(group.path, True))):
+            return _GENERAL
+        functions.append(function)
+    name = binding.layer_name
+    call = GroupInputs(name, count, args, kwargs)
+    ran: list[tuple[torch.Tensor | None, Any]] = []
+    for group, function in zip(groups, functions, strict=True):
+        mark = len(call.written)
+        own_args, own_kwargs = call.own(group.own, True, False) if group.rows is None else call.own(group.rows, False)
+        try:
+            output = function(binding.module, *own_args, **own_kwargs)
+        except Exception:  # noqa: BLE001  # the general way runs it again and says what its forward does
+            call.wrote_shared(mark)
+            return _GENERAL
+        if group.rows is None:
+            _seen(binding, group, call, mark, False)
+        ran.append((group.rows, output))
+    try:
+        out = _joined_groups(name, count, groups, ran)
+    except UnsplittableCall:
+        if all(index is None for index, _ in ran):
+            raise
+        return _GENERAL  # the general way runs every group on every row instead
+    call.write_back()
+    return out
 
 
 def _run_group(binding: Mixed, group: Group, call: GroupInputs) -> tuple[torch.Tensor | None, Any]:

@@ -211,18 +211,9 @@ def _joined_tensor(
         return out
     outputs: list[torch.Tensor] = [output for _, output in parts]
     first = outputs[0]
-    fits = [
-        axis
-        for axis in range(first.dim())
-        if all(o.dim() == first.dim() for o in outputs)
-        and sum(o.shape[axis] for o in outputs) == count
-        and all(
-            o.shape[a] == first.shape[a] and o.shape[axis] == i.shape[0]
-            for i, o in parts
-            for a in range(first.dim())
-            if a != axis
-        )
-    ]
+    shapes = [tuple(output.shape) for output in outputs]
+    lengths = [index.shape[0] for index, _ in parts]
+    fits = [] if sum(lengths) != count else [axis for axis in range(first.dim()) if _fits(shapes, lengths, axis)]
     if len(fits) != 1:
         if not fits:
             return _same(name, outputs)
@@ -234,6 +225,16 @@ def _joined_tensor(
     for index, output in parts:
         out.index_copy_(axis, index, output)
     return out
+
+
+def _fits(shapes: list[tuple[int, ...]], lengths: list[int], axis: int) -> bool:
+    """Whether outputs of ``shapes`` hold their groups' ``lengths`` rows on ``axis``, and agree on every other axis."""
+    first = shapes[0]
+    before, after = first[:axis], first[axis + 1 :]
+    for shape, length in zip(shapes, lengths, strict=True):
+        if len(shape) != len(first) or shape[axis] != length or shape[:axis] != before or shape[axis + 1 :] != after:
+            return False
+    return True
 
 
 def _same(name: str, outputs: list[torch.Tensor]) -> torch.Tensor:

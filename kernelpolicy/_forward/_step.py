@@ -53,6 +53,8 @@ class Mixed(Protocol):
     def can_torch_compile(self) -> bool: ...
     @property
     def dispatcher(self) -> Any: ...
+    @property
+    def direct_kernel(self) -> Callable[..., Any] | None: ...
     def has_aware_children(self) -> bool: ...
     def decide(
         self, mode: str, state: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
@@ -123,6 +125,10 @@ class Group(NamedTuple):
     path: Any = None
     #: ``mask`` shaped to select along an output's row axis, per (the output's dimensions, its row axis).
     views: dict[tuple[int, int], torch.Tensor] | None = None
+    #: What the group's path is whatever the call's arguments, where its forward would decide nothing per call
+    #: (no recorder, no ``fallback_on``, no layer inside that reads the policy): ``"original"``, or ``"kernel"``
+    #: (the binding's ``direct_kernel``, if it has one when called); None: through its scope and forward.
+    direct: Literal["kernel", "original"] | None = None
 
 
 @final
@@ -255,8 +261,10 @@ class Step:
                 held = Held()
                 attempt = (GroupScope(policy, bool(recorders), (held,)), held)
             policies = tuple(self.policies[s] for s in slots)
-            written = policy if nested else (policy.entry_for(name), policy.options)
-            groups.append(Group(scope, policies, mask, index, own_rows, recorders, attempt, written, {}))
+            entry = policy.entry_for(name)
+            written = policy if nested else (entry, policy.options)
+            direct = _direct(entry, without_kernel) if not (nested or recorders or policy.fallback_on) else None
+            groups.append(Group(scope, policies, mask, index, own_rows, recorders, attempt, written, {}, direct))
         self._plans[key] = groups
         return groups
 
@@ -272,6 +280,15 @@ class Step:
                 torch.tensor(positions, dtype=torch.long, device=self.device),
             )
         return found
+
+
+def _direct(entry: str, without_kernel: bool) -> Literal["kernel", "original"] | None:
+    """The path a forward takes under ``entry`` whatever the call (in eager code without grad), if it is one."""
+    if entry == "disable" or (without_kernel and entry == "prefer"):
+        return "original"
+    if entry in ("prefer", "require") and not without_kernel:
+        return "kernel"
+    return None
 
 
 @final
