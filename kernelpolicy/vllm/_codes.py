@@ -59,6 +59,10 @@ class StepCodes:
         self._filled = 0  # rows of the buffer that may be non-zero
         self._rows: dict[RequestPolicy, np.ndarray[Any, np.dtype[np.int8]]] = {}
         self._step: tuple[list[str], list[RequestPolicy | None], np.ndarray[Any, Any]] = ([], [], np.zeros(0))
+        self._codes: np.ndarray[Any, np.dtype[np.int8]] = np.zeros((0, CAPACITY), dtype=np.int8)  # per request
+        # this step's masks of each code, per column and call size, and per pattern of the requests' codes
+        self._masks: dict[tuple[int, int], dict[int, torch.Tensor]] = {}
+        self._patterns: dict[tuple[bytes, int], dict[int, torch.Tensor]] = {}
 
     def column(self, op: str) -> int:
         """The column of ``op`` (given on first sight: a layer built, an IR op known)."""
@@ -104,6 +108,9 @@ class StepCodes:
         zero = np.zeros(CAPACITY, dtype=np.int8)
         rows = np.stack([zero if policy is None else self.codes_of(policy) for policy in policies])
         self.uniform = np.where((rows == rows[0]).all(axis=0), rows[0], -1).tolist()
+        self._codes = rows
+        self._masks.clear()
+        self._patterns.clear()
         per_token = np.repeat(rows, tokens, axis=0)
         count = per_token.shape[0]
         buffer[:count].copy_(torch.from_numpy(per_token))
@@ -111,6 +118,30 @@ class StepCodes:
             buffer[count : self._filled].zero_()
         self._filled = count
         self.mixed = True
+
+    def masks(self, column: int, count: int) -> dict[int, torch.Tensor] | None:
+        """The rows of a call of ``count`` token rows that take each code of ``column`` in this step, as boolean
+        masks, made on the host once per step and pattern of the requests' codes (an eager call reads no codes).
+        Rows past the step's tokens (padding) have ``DEFAULT``; None where ``count`` exceeds the buffer."""
+        key = (column, count)
+        found = self._masks.get(key)
+        if found is not None:
+            return found
+        requests, _, tokens = self._step
+        if self.buffer is None or count > self.buffer.shape[0] or not len(requests):
+            return None
+        codes = self._codes[:, column]
+        pattern = (codes.tobytes(), count)
+        found = self._patterns.get(pattern)
+        if found is None:
+            per_token = np.repeat(codes, tokens)[:count]
+            if count > per_token.shape[0]:
+                per_token = np.concatenate([per_token, np.full(count - per_token.shape[0], DEFAULT, np.int8)])
+            device = self.buffer.device
+            found = {int(code): torch.from_numpy(per_token == code).to(device) for code in np.unique(per_token)}
+            self._patterns[pattern] = found
+        self._masks[key] = found
+        return found
 
     def fail(self, rows: torch.Tensor | None, path: str, error: Exception) -> None:
         """``path`` raised ``error`` on the token rows where ``rows`` is true (None: every row): their requests fail

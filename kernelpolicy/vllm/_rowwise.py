@@ -60,16 +60,19 @@ class Paths(NamedTuple):
     kernel_name: str
     original: Callable[..., Any]
     variant: Callable[[int], tuple[str, Callable[..., Any]] | None] = lambda code: None
-    #: The variant codes a traced call computes (every IR provider the platform supports for the call).
+    #: The variant codes a traced call computes (every IR provider the platform supports for the call, but the
+    #: kernel's own).
     traced_variants: tuple[int, ...] = ()
+    #: The variant code of the kernel's own provider (its rows take the kernel; -1: none).
+    kernel_code: int = -1
 
     def path(self, code: int) -> tuple[int, str, Callable[..., Any]] | None:
         """The path of rows with ``code``: its key (``KERNEL``, or the variant's code), its name in errors, its
         function; None for the original."""
-        found = self.variant(code) if code >= VARIANTS else None
+        found = self.variant(code) if code >= VARIANTS and code != self.kernel_code else None
         if found is not None:
             return code, f"{self.op}'s variant ({found[0]})", found[1]
-        if code == KERNEL or (code == DEFAULT and self.default_is_kernel):
+        if code in (KERNEL, self.kernel_code) or (code == DEFAULT and self.default_is_kernel):
             return KERNEL, f"{self.op}'s kernel ({self.kernel_name})", self.kernel
         return None
 
@@ -120,6 +123,7 @@ def ir_inner_call(op: Any, inner: Callable[..., Any], args: tuple[Any, ...], kwa
             return f"provider {impls[place].provider!r}", impls[place].func_impl_fn
         return None
 
+    place = impls.index(kernel)
     paths = Paths(
         op.name,
         op.dispatch(*args, **kwargs) is not native,
@@ -128,7 +132,8 @@ def ir_inner_call(op: Any, inner: Callable[..., Any], args: tuple[Any, ...], kwa
         f"provider {kernel.provider!r}",
         native.func_impl_fn,
         variant,
-        tuple(VARIANTS + place for place, ok in enumerate(takes) if ok),
+        tuple(VARIANTS + other for other, ok in enumerate(takes) if ok and other != place),
+        VARIANTS + place,
     )
     return choose(column, paths, args, kwargs, clone=False)
 
@@ -142,36 +147,28 @@ def choose(column: int, paths: Paths, args: tuple[Any, ...], kwargs: dict[str, A
         uniform = STEP.uniform[column]
         if uniform >= 0:  # every row of the step takes one path: no codes read
             return _uniform(uniform, paths, args, kwargs)
-    codes = codes_in_context()
     first = next((a for a in args if isinstance(a, torch.Tensor) and a.dim() >= 1), None)
-    if codes is None or first is None:
+    if first is None:
         return paths.default(*args, **kwargs)
     count = first.shape[0]
-    if not compiling and count > codes.shape[0]:
-        return paths.default(*args, **kwargs)
-    rows = codes[:count, column]
     caller = {id(t) for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)}
-    kernel_rows = rows == KERNEL
-    if paths.default_is_kernel:
-        kernel_rows = kernel_rows | (rows == DEFAULT)
     if compiling:
-        # traced once for every step: every path on every row, joined by the codes (data: no guard, no recompile)
-        kernel_out = _run(paths.kernel, args, kwargs, clone, count)
-        joined = _joined(kernel_rows, kernel_out, paths.original(*args, **kwargs), count, caller)
-        for code in paths.traced_variants:
-            found = paths.variant(code)
-            if found is not None:
-                joined = _joined(rows == code, found[1](*args, **kwargs), joined, count, caller)
-        return joined
+        return _traced(column, paths, args, kwargs, clone, count, caller)
+    masks = STEP.masks(column, count)
+    if masks is None:
+        return paths.default(*args, **kwargs)
     # eager: each path that a row takes, once; a kernel that raises fails the requests of its rows
     taken: dict[int, tuple[str, Callable[..., Any], torch.Tensor]] = {}
     original = False
-    for code in torch.unique(rows).tolist():
+    for code, mask in masks.items():
         path = paths.path(code)
         if path is None:
             original = True
-        elif path[0] not in taken:
-            taken[path[0]] = (path[1], path[2], kernel_rows if path[0] == KERNEL else rows == code)
+        elif path[0] in taken:  # the kernel by two codes (vLLM's default and the policy's)
+            name, function, rows = taken[path[0]]
+            taken[path[0]] = (name, function, rows | mask)
+        else:
+            taken[path[0]] = (path[1], path[2], mask)
     if not original and len(taken) == 1:
         [(name, function, mask)] = taken.values()
         return _alone(name, function, mask, paths, args, kwargs)
@@ -184,6 +181,35 @@ def choose(column: int, paths: Paths, args: tuple[Any, ...], kwargs: dict[str, A
     joined = paths.original(*args, **kwargs)
     for mask, output in outputs:
         joined = _joined(mask, output, joined, count, caller)
+    return joined
+
+
+def _traced(
+    column: int,
+    paths: Paths,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    clone: bool,
+    count: int,
+    caller: set[int],
+) -> Any:
+    """A traced call (vLLM compiles once for every step): every path on every row, joined by the codes, an input
+    of the program (data: no guard, no recompile)."""
+    codes = codes_in_context()
+    if codes is None:
+        return paths.default(*args, **kwargs)
+    rows = codes[:count, column]
+    kernel_rows = rows == KERNEL
+    if paths.default_is_kernel:
+        kernel_rows = kernel_rows | (rows == DEFAULT)
+    if paths.kernel_code >= VARIANTS:  # a variant naming the kernel's own provider
+        kernel_rows = kernel_rows | (rows == paths.kernel_code)
+    kernel_out = _run(paths.kernel, args, kwargs, clone, count)
+    joined = _joined(kernel_rows, kernel_out, paths.original(*args, **kwargs), count, caller)
+    for code in paths.traced_variants:
+        found = paths.variant(code)
+        if found is not None:
+            joined = _joined(rows == code, found[1](*args, **kwargs), joined, count, caller)
     return joined
 
 
