@@ -51,15 +51,18 @@ def save_tiny_llama(folder: Path) -> Path:
 
 @contextlib.contextmanager
 def engine(model: Path, *, eager: bool, kernel_first: bool, **settings: Any) -> Iterator[Any]:
-    """An ``LLM`` whose process default for ``rms_norm`` is the test kernel (``kernel_first``) or the native norm."""
+    """An ``LLM`` whose process default for ``rms_norm`` (and ``fused_add_rms_norm`` where its processes import
+    ``_vllm_fused``) is the test kernel (``kernel_first``) or the native norm."""
     import _vllm_provider
     from vllm import LLM
 
     priority = [_vllm_provider.NAME, "native"] if kernel_first else ["native"]
+    fused = "_vllm_fused" in os.environ.get("KERNELPOLICY_VLLM_IMPORT", "").split(",")
+    ops = ["rms_norm"] + (["fused_add_rms_norm"] if fused else [])
     llm = LLM(
         model=str(model),
         enforce_eager=eager,
-        kernel_config={"ir_op_priority": {"rms_norm": priority}},
+        kernel_config={"ir_op_priority": dict.fromkeys(ops, priority)},
         **(SETTINGS | settings),
     )
     try:

@@ -14,6 +14,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
+import _vllm_fused  # noqa: F401  # fused_add_rms_norm's test kernel, for the admission of variants naming it
 from _vllm_engines import PROMPTS, cached_tokens, engine, environment, generate, save_tiny_llama
 
 import kernelpolicy
@@ -23,13 +24,16 @@ if TYPE_CHECKING:
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
-#: The policies of the tests: none (vLLM's own choice), the original, the kernel, per-op entries.
+#: The policies of the tests: none (vLLM's own choice), the original, the kernel, per-op entries, the norms'
+#: kernels required.
 NONE, DISABLE, PREFER = None, "disable", "prefer"
-ENTRIES = {"rms_norm": "disable", "silu_and_mul": "prefer"}
+ENTRIES = {"rms_norm": "disable", "fused_add_rms_norm": "disable", "silu_and_mul": "prefer"}
+REQUIRE = "rms_norm=require,fused_add_rms_norm=require"
 ROTARY = ({"rotary_embedding": "prefer"}, {"rotary_embedding": "disable"})
 #: Variants: the test kernel by its provider's name, and a provider that only a variant names.
-VARIANT, OTHER = {"rms_norm": "kernel:kp_test"}, "disable,rms_norm=kernel:kp_other|kp_test"
-POLICIES: list[Any] = [NONE, DISABLE, PREFER, ENTRIES, VARIANT, OTHER]
+VARIANT = {"rms_norm": "kernel:kp_test", "fused_add_rms_norm": "kernel:kp_test"}
+OTHER = "disable,rms_norm=kernel:kp_other|kp_test"
+POLICIES: list[Any] = [NONE, DISABLE, PREFER, ENTRIES, VARIANT, OTHER, REQUIRE]
 #: Batches that mix policies: 2 and 4 of them, and the in-place rotary kernel beside its original.
 MIXES: list[list[Any]] = [
     [NONE, DISABLE, NONE, DISABLE],
@@ -38,6 +42,7 @@ MIXES: list[list[Any]] = [
     [ENTRIES, PREFER, DISABLE, NONE],
     [ROTARY[0], ROTARY[1], DISABLE, ROTARY[0]],
     [VARIANT, OTHER, NONE, DISABLE],
+    [REQUIRE, DISABLE, NONE, PREFER],
 ]
 
 
@@ -55,7 +60,8 @@ def _runs(llm: Any) -> dict[str, Any]:
         bad = exc
     # the prefix cache: the same long prompt again under the same policy, then under others
     cached = [cached_tokens(llm, policy) for policy in (DISABLE, DISABLE, "disable,rotary_embedding=disable", PREFER)]
-    cached += [cached_tokens(llm, policy) for policy in (NONE, NONE, ENTRIES, "rms_norm=disable,silu_and_mul=prefer")]
+    same = "rms_norm=disable,fused_add_rms_norm=disable,silu_and_mul=prefer"  # ENTRIES as text
+    cached += [cached_tokens(llm, policy) for policy in (NONE, NONE, ENTRIES, same)]
     return {
         "solo": solo,
         "batch": batch,
@@ -77,7 +83,7 @@ def runs(request: pytest.FixtureRequest, model: Path) -> dict[str, dict[str, Any
     eager = request.param == "eager"
     found: dict[str, dict[str, Any]] = {}
     with pytest.MonkeyPatch.context() as patch:
-        for name, value in environment(switch=True).items():
+        for name, value in environment(switch=True, imports="_vllm_provider,_vllm_fused").items():
             patch.setenv(name, value)
         patch.setenv("VLLM_DISABLE_COMPILE_CACHE", "1")
         for control, first in (("kernel", True), ("native", False)):
@@ -98,13 +104,15 @@ def test_a_policy_on_every_request_gives_the_process_wide_controls(runs: dict[st
         # prefer asks for the kernel also where vLLM's configuration runs the original (the native engine)
         assert solo[repr(PREFER)] == kernel and batch[repr(PREFER)] == kernel, control
         assert solo[repr(DISABLE)] == native and batch[repr(DISABLE)] == native, control
-        # per-op entries: rms_norm's original; silu_and_mul's CPU kernel computes what its original does
+        # per-op entries: the norms' originals; silu_and_mul's CPU kernel computes what its original does
         assert solo[repr(ENTRIES)] == native and batch[repr(ENTRIES)] == native, control
         # the in-place rotary kernel and its original agree on this CPU; neither touches rms_norm
         own = kernel if control == "kernel" else native
         assert solo[repr(ROTARY[0])] == own and solo[repr(ROTARY[1])] == own, control
         # a variant names an IR provider: the test kernel's, or one that vLLM's priority does not list
         assert solo[repr(VARIANT)] == kernel and batch[repr(VARIANT)] == kernel, control
+        # require: both norms have a kernel here (the test providers)
+        assert solo[repr(REQUIRE)] == kernel and batch[repr(REQUIRE)] == kernel, control
         other = runs["native"]["solo"][repr(OTHER)]
         assert solo[repr(OTHER)] == other and batch[repr(OTHER)] == other, control
         assert all(o not in (k, n) for o, k, n in zip(other, kernel, native, strict=True)), (other, kernel, native)

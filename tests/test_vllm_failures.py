@@ -1,4 +1,5 @@
-"""A kernel that raises in a vLLM step fails the requests of its rows only (docs/vllm.md, "Failures").
+"""A kernel that raises in a vLLM step fails the requests of its rows only (docs/vllm.md, "Failures"); so does a
+policy that requires a kernel an op lacks here.
 
 A real eager engine (tests/_vllm_engines.py) with a provider of ``rms_norm`` that always raises (tests/_vllm_raise.py),
 which only a variant entry names: its requests finish with vLLM's ``finish_reason="error"`` and an error naming the
@@ -24,10 +25,13 @@ RAISE = "rms_norm=kernel:kp_raise"
 #: The same kernel, falling back on its error (and a policy whose fallback_on names another exception).
 FALLBACK, OTHER_FALLBACK = f"{RAISE},fallback_on=RuntimeError", f"{RAISE},fallback_on=ValueError"
 SOLO = [NONE, DISABLE, PREFER]
+#: ``require``: rms_norm has the test kernel on this engine, fused_add_rms_norm has none (no ``_vllm_fused``).
+REQUIRE, REQUIRE_NORM, REQUIRE_FUSED = "require", "rms_norm=require", {"fused_add_rms_norm": "require"}
 BATCHES: list[list[Any]] = [
     [RAISE, DISABLE, NONE, PREFER],  # one policy's rows fail in a step of four paths
     [RAISE, RAISE],  # every row of the step fails
     [FALLBACK, PREFER, OTHER_FALLBACK, NONE],
+    [REQUIRE, REQUIRE_NORM, REQUIRE_FUSED, DISABLE],
 ]
 
 
@@ -58,6 +62,19 @@ def test_the_failing_policy_s_requests_fail_with_an_error_naming_the_op_the_prov
                 reason = str(output.stop_reason)
                 assert "rms_norm" in reason and "'kp_raise'" in reason and MESSAGE in reason, reason
                 assert repr(policy) in reason, reason
+
+
+def test_a_policy_requiring_a_kernel_an_op_lacks_fails_naming_the_op_and_the_policy(runs: dict[str, Any]) -> None:
+    outputs = runs["batches"][3]
+    for policy, output in zip(BATCHES[3], outputs, strict=True):
+        if policy in (REQUIRE, REQUIRE_FUSED):
+            reason = str(output.stop_reason)
+            assert _failed(output) and not output.token_ids, (policy, output)
+            assert "requires kernels that these ops lack here: " in reason, reason
+            assert "fused_add_rms_norm (no provider but 'native' is supported here)" in reason, reason
+    # rms_norm's kernel (the test provider), every other op as vLLM chose: prefer's tokens on this engine
+    assert not _failed(outputs[1]) and list(outputs[1].token_ids) == runs["solo"][repr(PREFER)][1]
+    assert not _failed(outputs[3]) and list(outputs[3].token_ids) == runs["solo"][repr(DISABLE)][3]
 
 
 def test_the_other_requests_of_the_step_get_their_solo_tokens(runs: dict[str, Any]) -> None:

@@ -48,7 +48,7 @@ def test_a_policy_is_a_string_or_a_dict_of_vllm_op_entries() -> None:
         ({"rms_norm": "fast"}, ["'fast'", "rms_norm", "'prefer'"]),
         ({"RMSNorm": "disable"}, ["'RMSNorm'", "rms_norm", "silu_and_mul"]),
         ("bogus_op=prefer", ["'bogus_op'", "rms_norm"]),
-        ("require", ["'require'", "not built", "'prefer' or 'disable'"]),
+        ("verify", ["'verify'", "not built", "'prefer' or 'disable' or 'require'"]),
         ({"rms_norm": "verify"}, ["'verify'", "rms_norm", "not built"]),
         ({"rms_norm": "kernel:vllm_c"}, ["'kernel:vllm_c'", "'rms_norm'", "none of these providers", "'disable'"]),
         ("rms_norm=kernel:nope", ["'kernel:nope'", "no provider 'nope'"]),

@@ -326,6 +326,7 @@ VLLM_SEAMS = (
     _vllm_seam("the op names", "model_executor.custom_op.op_registry"),
     _vllm_seam("CustomOp layers choose per row", "model_executor.custom_op.CustomOp.__init__"),
     _vllm_seam("IR ops choose per row", "ir.op.IrOp._inner_call"),
+    _vllm_seam("IR ops' in-place calls choose per row", "ir.op.IrOpInplaceOverload._inner_call"),
     _vllm_seam("IR ops' providers", "ir.op.IrOp.registry"),
     _vllm_seam("IR ops called plainly", "ir.op.set_default_torch_wrap"),
     _vllm_seam("a step's codes", f"{_RUNNER}._prepare_inputs", ("scheduler_output", "num_scheduled_tokens")),

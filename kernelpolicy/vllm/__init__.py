@@ -118,14 +118,15 @@ def _patch_config_hash() -> None:
 
 
 def _patch_layers() -> None:
-    """``CustomOp`` layers built from now on, and every IR op, choose per row (``_rowwise``)."""
+    """``CustomOp`` layers built from now on, and every IR op (its in-place overload too), choose per row
+    (``_rowwise``)."""
     import vllm.ir.ops  # noqa: F401  # the IR ops register on import
     from vllm import ir
     from vllm.ir import op
     from vllm.model_executor import custom_op
 
     from ._codes import STEP
-    from ._rowwise import govern_custom_op, ir_inner_call
+    from ._rowwise import govern_custom_op, ir_inner_call, ir_inplace_call
 
     ir_op: Any = op.IrOp
     layer: Any = custom_op.CustomOp
@@ -157,6 +158,14 @@ def _patch_layers() -> None:
         return ir_inner_call(self, inner, args, kwargs)
 
     ir_op._inner_call = _inner_call
+    overload: Any = op.IrOpInplaceOverload
+    inplace = overload._inner_call
+
+    @functools.wraps(inplace)
+    def _inplace_inner_call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return ir_inplace_call(self, inplace, inner, args, kwargs)
+
+    overload._inner_call = _inplace_inner_call
 
 
 def _patch_runner() -> None:

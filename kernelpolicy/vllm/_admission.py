@@ -32,9 +32,8 @@ __all__ = [
 
 #: The key of ``SamplingParams.extra_args`` (and of the OpenAI server's ``vllm_xargs``) that carries a policy.
 KEY = "kernel_policy"
-#: The modes a request's policy may give in vLLM so far, besides variants (``require`` and ``verify`` are not built
-#: yet).
-_BUILT = ("prefer", "disable")
+#: The modes a request's policy may give in vLLM so far, besides variants (``verify`` is not built yet).
+_BUILT = ("prefer", "disable", "require")
 
 
 class RequestPolicy(NamedTuple):

@@ -29,18 +29,32 @@ from ._admission import KEY, request_policy
 if TYPE_CHECKING:
     from ._admission import RequestPolicy
 
-__all__ = ["CONTEXT_KEY", "DEFAULT", "FAILED", "KERNEL", "ORIGINAL", "STEP", "VARIANTS", "StepCodes", "variant_code"]
+__all__ = [
+    "CONTEXT_KEY",
+    "DEFAULT",
+    "FAILED",
+    "KERNEL",
+    "ORIGINAL",
+    "REQUIRED",
+    "STEP",
+    "VARIANTS",
+    "StepCodes",
+    "variant_code",
+]
 
 #: The key of ``ForwardContext.additional_kwargs`` that holds the codes.
 CONTEXT_KEY = "kernelpolicy_codes"
 _log = logging.getLogger("kernelpolicy.vllm")
 #: The attribute of a step's ``ModelRunnerOutput`` that carries its failed requests (request id -> error).
 FAILED = "kernelpolicy_failed"
-#: A row's code for an op: vLLM's own choice, the kernel, the original; from ``VARIANTS`` on, an IR provider.
-DEFAULT, KERNEL, ORIGINAL, VARIANTS = 0, 1, 2, 3
+#: A row's code for an op: vLLM's own choice, the kernel, the original, the kernel required; from ``VARIANTS`` on,
+#: an IR provider.
+DEFAULT, KERNEL, ORIGINAL, REQUIRED, VARIANTS = 0, 1, 2, 3, 4
 #: Columns a worker keeps (one per governed op: vLLM 0.32 has under 100 CustomOps and IR ops).
 CAPACITY = 256
-_CODE = {"prefer": KERNEL, "disable": ORIGINAL}
+_CODE = {"prefer": KERNEL, "disable": ORIGINAL, "require": REQUIRED}
+#: The policies whose codes a worker keeps (then it starts again: memory stays bounded under client policies).
+_KEPT = 4096
 
 
 class StepCodes:
@@ -56,6 +70,10 @@ class StepCodes:
         self.uniform: list[int] = [DEFAULT] * CAPACITY
         #: The requests that failed in this step: request id -> the error's text (taken by the runner).
         self.failed: dict[str, str] = {}
+        #: The columns of ops seen to have no kernel here: column -> why (``require`` fails). IR ops with no
+        #: provider but ``native`` supported here are looked up besides (:meth:`_lacking`).
+        self.kernelless: dict[int, str] = {}
+        self._unmet: dict[RequestPolicy, str | None] = {}  # per policy, why it cannot be served (``require``)
         self._filled = 0  # rows of the buffer that may be non-zero
         self._rows: dict[RequestPolicy, np.ndarray[Any, np.dtype[np.int8]]] = {}
         self._step: tuple[list[str], list[RequestPolicy | None], np.ndarray[Any, Any]] = ([], [], np.zeros(0))
@@ -72,6 +90,7 @@ class StepCodes:
                 raise RuntimeError(f"kernelpolicy governs at most {CAPACITY} vLLM ops; {op!r} is one more")
             found = self.columns[op] = len(self.columns)
             self._rows.clear()
+            self._unmet.clear()
         return found
 
     def allocate(self, tokens: int, device: torch.device) -> None:
@@ -84,6 +103,9 @@ class StepCodes:
         """One row of codes for ``policy`` (cached per policy until an op is added)."""
         found = self._rows.get(policy)
         if found is None:
+            if len(self._rows) >= _KEPT:  # client-chosen policies: bounded memory
+                self._rows.clear()
+                self._unmet.clear()
             found = np.zeros(CAPACITY, dtype=np.int8)
             for op, column in self.columns.items():
                 entry = policy.entry(op)
@@ -105,6 +127,7 @@ class StepCodes:
             self.mixed = False
             return
         self._step = (requests, policies, tokens)
+        self._fail_unmet(requests, policies)
         zero = np.zeros(CAPACITY, dtype=np.int8)
         rows = np.stack([zero if policy is None else self.codes_of(policy) for policy in policies])
         self.uniform = np.where((rows == rows[0]).all(axis=0), rows[0], -1).tolist()
@@ -142,6 +165,54 @@ class StepCodes:
             self._patterns[pattern] = found
         self._masks[key] = found
         return found
+
+    def no_kernel(self, column: int, reason: str) -> None:
+        """``column``'s op has no kernel here (``reason``, seen in an eager call): the requests of this step and of
+        the next ones whose policy requires it fail."""
+        if self.kernelless.get(column) != reason:
+            self.kernelless[column] = reason
+            self._unmet.clear()
+        if torch.compiler.is_compiling() or not self.mixed:
+            return
+        requests, policies, _ = self._step
+        self._fail_unmet(requests, policies)
+
+    def _fail_unmet(self, requests: list[str], policies: list[RequestPolicy | None]) -> None:
+        """Fail the requests of this step whose policy requires a kernel that an op called here lacks."""
+        for request, policy in zip(requests, policies, strict=False):
+            if policy is None or request in self.failed:
+                continue
+            if policy not in self._unmet:
+                codes = self.codes_of(policy)
+                unmet = [
+                    f"{op} ({reason})"
+                    for op, column in self.columns.items()
+                    if codes[column] == REQUIRED and (reason := self._lacking(op, column)) is not None
+                ]
+                self._unmet[policy] = (
+                    f"kernelpolicy: the request's kernel policy {str(policy)!r} requires kernels that these ops "
+                    f"lack here: {'; '.join(unmet)}"
+                    if unmet
+                    else None
+                )
+            found = self._unmet[policy]
+            if found is not None:
+                self.failed[request] = found
+                _log.warning("request %s failed: %s", request, found)
+
+    def _lacking(self, op: str, column: int) -> str | None:
+        """Why ``op`` has no kernel here, None where it may have one: a ``CustomOp`` layer built without a platform
+        forward, a call no provider but ``native`` took (both seen), an IR op with no other provider supported on
+        this platform (called or not: a traced program cannot tell, nor fail the rows of a call)."""
+        from vllm.ir.op import IrOp
+
+        found = self.kernelless.get(column)
+        ir_op = IrOp.registry.get(op)
+        if found is not None or ir_op is None:
+            return found
+        if any(impl.supported for provider, impl in ir_op.impls.items() if provider != "native"):
+            return None
+        return "no provider but 'native' is supported here"
 
     def fail(self, rows: torch.Tensor | None, path: str, error: Exception) -> None:
         """``path`` raised ``error`` on the token rows where ``rows`` is true (None: every row): their requests fail

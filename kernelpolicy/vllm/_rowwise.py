@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from .._values._tensors import map_tensors
-from ._codes import DEFAULT, KERNEL, ORIGINAL, STEP, VARIANTS, codes_in_context
+from ._codes import DEFAULT, KERNEL, ORIGINAL, REQUIRED, STEP, VARIANTS, codes_in_context
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-__all__ = ["Paths", "choose", "govern_custom_op", "ir_inner_call", "platform_forward"]
+__all__ = ["Paths", "choose", "govern_custom_op", "ir_inner_call", "ir_inplace_call", "platform_forward"]
 
 #: The platform forward a ``CustomOp`` dispatches to when enabled, by platform (vLLM's ``dispatch_forward``).
 _PLATFORMS = (
@@ -72,21 +72,26 @@ class Paths(NamedTuple):
         found = self.variant(code) if code >= VARIANTS and code != self.kernel_code else None
         if found is not None:
             return code, f"{self.op}'s variant ({found[0]})", found[1]
-        if code in (KERNEL, self.kernel_code) or (code == DEFAULT and self.default_is_kernel):
+        if code in (KERNEL, REQUIRED, self.kernel_code) or (code == DEFAULT and self.default_is_kernel):
             return KERNEL, f"{self.op}'s kernel ({self.kernel_name})", self.kernel
         return None
 
 
 def govern_custom_op(op: Any) -> None:
     """Make a just-built ``CustomOp`` layer choose per row (nothing where the platform has no kernel of its own)."""
+    from vllm.ir.op import IrOp
+
+    name = type(op).name
+    if name in IrOp.registry:  # a layer of an IR op's name (RMSNorm) calls the op, which chooses per row
+        return
     kernel = platform_forward(op)
+    column = STEP.column(name)
     if kernel is None:
+        STEP.no_kernel(column, f"{type(op).__name__} has no platform forward of its own")
         return
     default = op._forward_method
     default_is_kernel = default == kernel
     original = op.forward_native if default_is_kernel else default
-    name = type(op).name
-    column = STEP.column(name)
     paths = Paths(name, default_is_kernel, default, kernel, f"{type(op).__name__}.{kernel.__name__}", original)
 
     def forward(*args: Any, **kwargs: Any) -> Any:
@@ -98,8 +103,10 @@ def govern_custom_op(op: Any) -> None:
 def ir_inner_call(op: Any, inner: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """One call of IR op ``op`` (``inner``: vLLM's ``IrOp._inner_call``), each row on its own path."""
     column = STEP.columns.get(op.name)
+    if column is None:
+        return inner(op, *args, **kwargs)
     compiling = torch.compiler.is_compiling()
-    if column is None or (not STEP.mixed and not compiling):
+    if not STEP.mixed and not compiling:
         return inner(op, *args, **kwargs)
     native = op.impls["native"]
     uniform = DEFAULT if compiling else STEP.uniform[column]
@@ -112,6 +119,9 @@ def ir_inner_call(op: Any, inner: Callable[..., Any], args: tuple[Any, ...], kwa
     ranked = [impl for impl in op._priority_impls if impl is not native] + impls
     kernel = next((impl for impl in ranked if takes[impls.index(impl)]), None)
     if kernel is None:
+        if not compiling:  # the rows that require a kernel fail (traced: a guard-free program cannot fail them)
+            some = any(impl.supported for impl in impls if impl is not native)
+            STEP.no_kernel(column, f"no provider but 'native' {'takes the call' if some else 'is supported'} here")
         return inner(op, *args, **kwargs)
 
     def default(*args: Any, **kwargs: Any) -> Any:
@@ -138,6 +148,17 @@ def ir_inner_call(op: Any, inner: Callable[..., Any], args: tuple[Any, ...], kwa
     return choose(column, paths, args, kwargs, clone=False)
 
 
+def ir_inplace_call(
+    overload: Any, inplace: Callable[..., Any], inner: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """One call of an IR op's in-place overload (``overload``, vLLM's ``IrOpInplaceOverload``; ``inplace``: its
+    ``_inner_call``): vLLM's own where no policy is in the step, else the op's functional call, each row on its own
+    path (``maybe_inplace`` lets the op write its inputs, never obliges it to)."""
+    if not STEP.mixed and not torch.compiler.is_compiling():
+        return inplace(overload, *args, **kwargs)
+    return ir_inner_call(overload.op, inner, args, kwargs)
+
+
 def choose(column: int, paths: Paths, args: tuple[Any, ...], kwargs: dict[str, Any], *, clone: bool) -> Any:
     """One call of a governed op: each token's row takes the path its code gives (``default``: vLLM's own)."""
     compiling = torch.compiler.is_compiling()
@@ -153,7 +174,7 @@ def choose(column: int, paths: Paths, args: tuple[Any, ...], kwargs: dict[str, A
     count = first.shape[0]
     caller = {id(t) for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)}
     if compiling:
-        return _traced(column, paths, args, kwargs, clone, count, caller)
+        return _every_path(column, paths, args, kwargs, clone, count, caller)
     masks = STEP.masks(column, count)
     if masks is None:
         return paths.default(*args, **kwargs)
@@ -184,7 +205,7 @@ def choose(column: int, paths: Paths, args: tuple[Any, ...], kwargs: dict[str, A
     return joined
 
 
-def _traced(
+def _every_path(
     column: int,
     paths: Paths,
     args: tuple[Any, ...],
@@ -199,7 +220,7 @@ def _traced(
     if codes is None:
         return paths.default(*args, **kwargs)
     rows = codes[:count, column]
-    kernel_rows = rows == KERNEL
+    kernel_rows = (rows == KERNEL) | (rows == REQUIRED)
     if paths.default_is_kernel:
         kernel_rows = kernel_rows | (rows == DEFAULT)
     if paths.kernel_code >= VARIANTS:  # a variant naming the kernel's own provider
