@@ -95,6 +95,14 @@ def test_the_plugin_does_nothing_when_off_and_patches_once_when_on() -> None:
         plugin.register()
         load_general_plugins()
         assert (CustomOp.__init__, IrOp._inner_call) == once
+        # vLLM's V2 model runner (its default on a GPU) would ignore every policy: refused where it is built
+        from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+        try:
+            GPUModelRunner(None, None)
+        except RuntimeError as error:
+            assert "VLLM_USE_V2_MODEL_RUNNER=0" in str(error), error
+        else:
+            raise AssertionError("built")
         print("ok")
     """
     assert _python(code, {"KERNELPOLICY_VLLM": "0"}, timeout=300).strip().endswith("ok")

@@ -90,6 +90,9 @@ VLLM_SEAMS: Final[tuple[tuple[str, str, tuple[str, ...] | None, str], ...]] = (
     ("IR ops called plainly", "ir.op.set_default_torch_wrap", None, _V034),
     ("a step's codes", f"{_RUNNER}._prepare_inputs", ("scheduler_output", "num_scheduled_tokens"), _V033),
     ("a step's failures", f"{_RUNNER}.sample_tokens", ("grammar_output",), _V033),
+    # vLLM's default runner on a GPU from 0.33 on (on a CPU, VLLM_USE_V2_MODEL_RUNNER=1 chooses it): its steps would
+    # run without the codes, every request's policy ignored, so the plugin refuses to build it
+    ("the V2 model runner refused", "v1.worker.gpu.model_runner.GPUModelRunner.__init__", None, _V034),
     (_FAILED, f"{_SCHEDULER}.update_from_output", ("scheduler_output", "model_runner_output"), _V034),
     (_FAILED, f"{_SCHEDULER}.finish_requests", ("request_ids", "finished_status"), _V034),
     (_FAILED, "v1.request.RequestStatus.FINISHED_ERROR", None, _V034),
