@@ -313,15 +313,14 @@ def _vllm_seam(what: str, name: str, parameters: tuple[str, ...] | None = None) 
 
 _RUNNER = "v1.worker.gpu_model_runner.GPUModelRunner"
 _SCHEDULER = "v1.core.sched.scheduler.Scheduler"
+_INPUT = "v1.engine.input_processor.InputProcessor"
+_RECORD = ("scheduler_stats", "iteration_stats", "mm_cache_stats", "engine_idx")
+_ROWS = ("outputs.EMPTY_MODEL_RUNNER_OUTPUT", "engine.EngineCoreOutputs.scheduler_stats")
 #: What kernelpolicy's vLLM plugin patches or reads in vLLM (docs/vllm.md): with any missing, the switched-on
 #: plugin refuses to start vLLM, naming them (``kernelpolicy.vllm.register``), and the doctor lists them.
 VLLM_SEAMS = (
-    _vllm_seam(
-        "a request's policy checked",
-        "v1.engine.input_processor.InputProcessor._validate_params",
-        ("params", "supported_tasks"),
-    ),
-    _vllm_seam("a request's cache salt", "v1.engine.input_processor.InputProcessor.process_inputs"),
+    _vllm_seam("a request's policy checked", f"{_INPUT}._validate_params", ("params", "supported_tasks")),
+    _vllm_seam("a request's cache salt", f"{_INPUT}.process_inputs"),
     _vllm_seam("the config hash", "config.vllm.VllmConfig.compute_hash"),
     _vllm_seam("the op names", "model_executor.custom_op.op_registry"),
     _vllm_seam("CustomOp layers choose per row", "model_executor.custom_op.CustomOp.__init__"),
@@ -339,6 +338,9 @@ VLLM_SEAMS = (
     _vllm_seam("the codes reach the layers", "forward_context.get_forward_context"),
     _vllm_seam("vllm serve: the header", "entrypoints.launchers.app.init_entrypoints_middleware"),
     _vllm_seam("vllm serve: the operator's rules and /metrics", "v1.engine.async_llm.AsyncLLM.generate"),
+    *(_vllm_seam("the workers' rows in /metrics", f"v1.{name}") for name in _ROWS),
+    _vllm_seam("the workers' rows in /metrics", "v1.metrics.stats.SchedulerStats"),
+    _vllm_seam("the workers' rows in /metrics", "v1.metrics.loggers.StatLoggerManager.record", _RECORD),
 )
 
 #: Every private name kernelpolicy reads.

@@ -46,6 +46,7 @@ def register() -> None:
     _patch_layers()
     _patch_runner()
     _patch_scheduler()
+    _patch_stats()
     for module in filter(None, (name.strip() for name in os.environ.get(IMPORT_VAR, "").split(","))):
         importlib.import_module(module)
     # kernelpolicy/vllm/_server.py (branch vllm-serve): in vLLM's API server processes, the X-Kernel-Policy header,
@@ -125,6 +126,7 @@ def _patch_layers() -> None:
     from vllm.model_executor import custom_op
 
     from ._codes import STEP
+    from ._counts import CALLED, governed, learned
     from ._rowwise import govern_custom_op, ir_inner_call
 
     ir_op: Any = op.IrOp
@@ -147,13 +149,18 @@ def _patch_layers() -> None:
     @functools.wraps(init)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807
         init(self, *args, **kwargs)
+        bound = self._forward_method
         govern_custom_op(self)
+        if self._forward_method is not bound:
+            governed(type(self).name)
 
     layer.__init__ = __init__
     inner = ir_op._inner_call
 
     @functools.wraps(inner)
     def _inner_call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.name not in CALLED:  # its rows count from now on (/metrics); traced: at the trace only
+            learned(self.name)
         return ir_inner_call(self, inner, args, kwargs)
 
     ir_op._inner_call = _inner_call
@@ -161,10 +168,12 @@ def _patch_layers() -> None:
 
 def _patch_runner() -> None:
     """The worker's runner fills each step's codes before its forward and hands them to the forward context."""
+    from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
     from vllm.v1.worker import gpu_model_runner
 
     from .._compat._attributes import VLLM_ASYNC_OUTPUT
     from ._codes import CONTEXT_KEY, FAILED, STEP, step_policies
+    from ._counts import ATTRIBUTE, COUNTS
 
     runner: Any = gpu_model_runner.GPUModelRunner
     init, prepare = runner.__init__, runner._prepare_inputs
@@ -177,7 +186,9 @@ def _patch_runner() -> None:
 
     @functools.wraps(prepare)
     def _prepare_inputs(self: Any, scheduler_output: Any, num_scheduled_tokens: Any) -> Any:
-        STEP.fill(*step_policies(self), num_scheduled_tokens)
+        requests, policies = step_policies(self)
+        STEP.fill(requests, policies, num_scheduled_tokens)
+        COUNTS.step(policies, num_scheduled_tokens)
         return prepare(self, scheduler_output, num_scheduled_tokens)
 
     sample = runner.sample_tokens
@@ -185,11 +196,14 @@ def _patch_runner() -> None:
     @functools.wraps(sample)
     def sample_tokens(self: Any, *args: Any, **kwargs: Any) -> Any:
         output = sample(self, *args, **kwargs)
+        # the step's output to the scheduler (async scheduling wraps it) carries the requests that failed and the
+        # rows per op and path (vLLM's shared empty output carries nothing: the counts wait for the next output)
+        found = getattr(output, VLLM_ASYNC_OUTPUT, output)
         failed = STEP.take_failed()
         if failed:
-            # the step's output to the scheduler (async scheduling wraps it) carries the requests that failed
-            found = getattr(output, VLLM_ASYNC_OUTPUT, output)
             setattr(found, FAILED, failed)
+        if found is not None and found is not EMPTY_MODEL_RUNNER_OUTPUT:
+            setattr(found, ATTRIBUTE, COUNTS.take())
         return output
 
     runner.__init__ = __init__
@@ -205,6 +219,7 @@ def _patch_scheduler() -> None:
     from vllm.v1.request import RequestStatus
 
     from ._codes import FAILED
+    from ._counts import PENDING
 
     scheduler: Any = module.Scheduler
     update = scheduler.update_from_output
@@ -217,6 +232,7 @@ def _patch_scheduler() -> None:
             if index is not None and index < len(model_runner_output.sampled_token_ids):
                 model_runner_output.sampled_token_ids[index] = []
         outputs = update(self, scheduler_output, model_runner_output)
+        PENDING.step(model_runner_output, outputs)  # the workers' rows per op and path, in the step's stats
         running = [request_id for request_id in failed if request_id in self.requests]
         if not running:
             return outputs
@@ -234,6 +250,26 @@ def _patch_scheduler() -> None:
         return outputs
 
     scheduler.update_from_output = update_from_output
+
+
+def _patch_stats() -> None:
+    """The workers' rows per op and path travel in vLLM's ``SchedulerStats`` to a front end's stat loggers, which
+    count them in ``/metrics`` (``_counts``)."""
+    from vllm.v1.metrics import loggers
+
+    from ._counts import add_stats_field, record
+
+    add_stats_field()
+    manager: Any = loggers.StatLoggerManager
+    recorded = manager.record
+
+    @functools.wraps(recorded)
+    def record_stats(self: Any, scheduler_stats: Any, *args: Any, **kwargs: Any) -> Any:
+        if scheduler_stats is not None:
+            record(scheduler_stats)
+        return recorded(self, scheduler_stats, *args, **kwargs)
+
+    manager.record = record_stats
 
 
 @functools.lru_cache(maxsize=1)
