@@ -25,7 +25,7 @@ POLICIES: list[Any] = [
 ]
 MIX: list[Any] = [None, "disable", "prefer", {"rotary_embedding": "disable"}]
 #: Prompts no earlier request shares a block with (their rows are all scheduled: none cached).
-FRESH = [[11, 12, 13], [12, 13, 14, 15]]
+FRESH = [[11, 12, 13], [12, 13, 14, 15], [13, 14, 15, 16, 17]]
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +41,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             mixed = generate(llm, MIX)
             codes = llm.collective_rpc(last_codes)
             before = op_rows()
-            counted = generate(llm, ["disable", None], FRESH)
+            counted = generate(llm, ["disable", None, "rms_norm=kernel:kp_other"], FRESH)
             rows = op_rows()
     added = {key: value - before.get(key, 0.0) for key, value in rows.items() if value != before.get(key, 0.0)}
     return {"solo": solo, "mixed": mixed, "codes": codes, "rows": added, "counted": counted}
@@ -77,7 +77,9 @@ def test_every_rank_holds_the_same_codes(runs: dict[str, Any]) -> None:
 
 
 def test_the_rows_per_op_and_path_count_once_over_two_ranks(runs: dict[str, Any]) -> None:
-    disable, none = (len(prompt) + len(tokens) - 1 for prompt, tokens in zip(FRESH, runs["counted"], strict=True))
+    disable, none, variant = (len(p) + len(tokens) - 1 for p, tokens in zip(FRESH, runs["counted"], strict=True))
     ops = ("apply_rotary_emb", "rms_norm", "rotary_embedding", "silu_and_mul")
-    expected = {(op, path): float(rows) for op in ops for path, rows in (("original", disable), ("vllm", none))}
+    expected = {(op, "original"): float(disable) for op in ops}
+    expected |= {(op, "vllm"): float(none + (0 if op == "rms_norm" else variant)) for op in ops}
+    expected["rms_norm", "kernel:kp_other"] = variant  # a variant: its provider
     assert runs["rows"] == expected

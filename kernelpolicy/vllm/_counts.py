@@ -113,7 +113,15 @@ class StepCounts:
         if all(policy is None for policy in policies):
             counts[None] = counts.get(None, 0) + int(tokens.sum())
             return
+        # summed per policy object first (requests of one policy share it; a policy's hash is slower than an id's)
+        sums: dict[int, list[Any]] = {}
         for policy, count in zip(policies, tokens.tolist(), strict=False):
+            found = sums.get(id(policy))
+            if found is None:
+                sums[id(policy)] = [policy, count]
+            else:
+                found[1] += count
+        for policy, count in sums.values():
             counts[policy] = counts.get(policy, 0) + count
 
     def labels(self, policy: RequestPolicy | None) -> tuple[tuple[str, str], ...]:
