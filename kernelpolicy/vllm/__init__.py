@@ -4,8 +4,9 @@ This package owns vLLM's general plugin :func:`register` (the entry point ``kern
 ``vllm.general_plugins``), which vLLM calls in each of its processes (the front end, the engine core, each worker):
 off unless :data:`ENV_VAR` is ``1``, and the same when called twice. Switched on, it checks each request's
 ``SamplingParams(extra_args={"kernel_policy": ...})`` where vLLM admits it (``_admission``), fills each step's
-per-token codes in the worker (``_codes``) and makes vLLM's ``CustomOp`` layers and IR ops take each row's path
-(``_rowwise``). docs/vllm.md says what a policy governs in vLLM and what is not built yet.
+per-token codes in the worker (``_codes``), makes vLLM's ``CustomOp`` layers and IR ops take each row's path
+(``_rowwise``) and counts each op's rows per path into vLLM's ``/metrics`` (``_counts``). docs/vllm.md says what a
+policy governs in vLLM and what is not built yet.
 """
 
 from __future__ import annotations
