@@ -135,3 +135,21 @@ def last_codes(worker: Any) -> list[list[int]]:
     columns = [STEP.columns[op] for op in ("rms_norm", "rotary_embedding")]
     found: list[list[int]] = STEP.buffer[:16, columns].tolist()
     return found
+
+
+def transformers_layers(worker: Any) -> dict[str, Any]:
+    """What vLLM's Transformers backend built in a worker (``LLM.collective_rpc(transformers_layers)``): the class of
+    each module (name -> ``module.Class``), the hub-kernel layer name of each module whose class transformers marked
+    (``use_kernel_forward_from_hub``), the kernel functions attached to modules (``use_kernelized_func``) with
+    whether ``kernels.kernelize`` bound a forward on them, and whether transformers' model says it uses kernels."""
+    model = worker.get_model()
+    classes = {name: f"{type(m).__module__}.{type(m).__qualname__}" for name, m in model.named_modules()}
+    hub = {
+        name: type(m).kernel_layer_name for name, m in model.named_modules() if hasattr(type(m), "kernel_layer_name")
+    }
+    functions = {
+        f"{name}.{function}": "forward" in vars(module)
+        for name, m in model.named_modules()
+        for function, module in getattr(m, "_kernel_funcs", {}).items()
+    }
+    return {"classes": classes, "hub": hub, "functions": functions, "use_kernels": bool(model.model.use_kernels)}

@@ -24,6 +24,8 @@ POLICIES: list[Any] = [
     {"rotary_embedding": "disable"},
 ]
 MIX: list[Any] = [None, "disable", "prefer", {"rotary_embedding": "disable"}]
+#: Prompts no earlier request shares a block with (their rows are all scheduled: none cached).
+FRESH = [[11, 12, 13], [12, 13, 14, 15], [13, 14, 15, 16, 17]]
 
 
 @pytest.fixture(scope="module")
@@ -34,11 +36,23 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             patch.setenv(name, value)
         patch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
         patch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc sends a function
-        with engine(model, eager=True, kernel_first=True, tensor_parallel_size=2) as llm:
+        with engine(model, eager=True, kernel_first=True, tensor_parallel_size=2, disable_log_stats=False) as llm:
             solo = {repr(p): [generate(llm, [p], [prompt])[0] for prompt in PROMPTS] for p in [*POLICIES, "prefer"]}
             mixed = generate(llm, MIX)
             codes = llm.collective_rpc(last_codes)
-    return {"solo": solo, "mixed": mixed, "codes": codes}
+            before = op_rows()
+            counted = generate(llm, ["disable", None, "rms_norm=kernel:kp_other"], FRESH)
+            rows = op_rows()
+    added = {key: value - before.get(key, 0.0) for key, value in rows.items() if value != before.get(key, 0.0)}
+    return {"solo": solo, "mixed": mixed, "codes": codes, "rows": added, "counted": counted}
+
+
+def op_rows() -> dict[tuple[str, str], float]:
+    """``kernelpolicy_vllm_op_rows_total`` by (op, path), in this process (an offline ``LLM``'s stat loggers)."""
+    from prometheus_client import REGISTRY
+
+    found = (metric for metric in REGISTRY.collect() if metric.name == "kernelpolicy_vllm_op_rows")
+    return {(s.labels["op"], s.labels["path"]): s.value for m in found for s in m.samples if s.name.endswith("_total")}
 
 
 def test_two_ranks_give_each_request_its_solo_tokens(runs: dict[str, Any]) -> None:
@@ -60,3 +74,12 @@ def test_every_rank_holds_the_same_codes(runs: dict[str, Any]) -> None:
     running = [row for row in first if row != [0, 0]]
     assert running and all(row in mix for row in running), first
     assert first[len(running) + 1 :] == [[0, 0]] * (len(first) - len(running) - 1), first
+
+
+def test_the_rows_per_op_and_path_count_once_over_two_ranks(runs: dict[str, Any]) -> None:
+    disable, none, variant = (len(p) + len(tokens) - 1 for p, tokens in zip(FRESH, runs["counted"], strict=True))
+    ops = ("apply_rotary_emb", "fused_add_rms_norm", "rms_norm", "rotary_embedding", "silu_and_mul")
+    expected = {(op, "original"): float(disable) for op in ops}
+    expected |= {(op, "vllm"): float(none + (0 if op == "rms_norm" else variant)) for op in ops}
+    expected["rms_norm", "kernel:kp_other"] = variant  # a variant: its provider
+    assert runs["rows"] == expected

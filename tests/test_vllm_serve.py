@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import time
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -192,6 +193,43 @@ def test_metrics_count_requests_and_tokens_per_policy_over_two_api_servers(serve
     assert added("requests", "none") == 1 and added("generated_tokens", "none") == 2
     assert added("errors", "bad_header") == 1 and added("errors", "refused_policy") == 1
     assert "vllm:request_success_total" in get(server.url, "/metrics")  # vLLM's own still there
+
+
+def op_rows(server: Server) -> dict[tuple[str, str], float]:
+    """``kernelpolicy_vllm_op_rows_total`` by (op, path), as vLLM's ``/metrics`` sums it over the API servers."""
+    found: dict[tuple[str, str], float] = {}
+    for line in get(server.url, "/metrics").splitlines():
+        match = re.fullmatch(r'kernelpolicy_vllm_op_rows_total\{op="([^"]*)",path="([^"]*)"\} (\S+)', line)
+        if match:
+            found[match[1], match[2]] = found.get((match[1], match[2]), 0.0) + float(match[3])
+    return found
+
+
+def test_metrics_count_each_ops_rows_per_path_over_two_api_servers(server: Server) -> None:
+    before = op_rows(server)
+    rows: dict[str | None, int] = {}  # each policy's token rows: prompt + generated - 1 (the last is not fed back)
+    for seed, (policy, tokens) in enumerate([("disable", 3), ("silu_and_mul=prefer", 2), (None, 2), ("disable", 2)]):
+        headers = None if policy is None else {HEADER: policy}
+        status, found = server.complete(headers, prompt=f"w{seed + 20} w9 w3", max_tokens=tokens, ignore_eos=True)
+        assert status == 200, found
+        usage = found["usage"]
+        rows[policy] = rows.get(policy, 0) + usage["prompt_tokens"] + usage["completion_tokens"] - 1
+    # the IR ops the model calls (fused_add_rms_norm in place), the CustomOps with a CPU kernel (apply_rotary_emb: a
+    # layer the rotary one builds)
+    ops = ("apply_rotary_emb", "fused_add_rms_norm", "rms_norm", "rotary_embedding", "silu_and_mul")
+    expected: dict[tuple[str, str], float] = {}
+    for op in ops:
+        expected[op, "original"] = rows["disable"]
+        expected[op, "vllm"] = rows[None] + (0 if op == "silu_and_mul" else rows["silu_and_mul=prefer"])
+    expected["silu_and_mul", "kernel"] = rows["silu_and_mul=prefer"]
+    for _ in range(50):  # a step's stats reach /metrics with its output, in the API server that got them
+        after = op_rows(server)
+        added = {key: after[key] - before.get(key, 0.0) for key in after if after[key] != before.get(key, 0.0)}
+        if added == expected:
+            break
+        time.sleep(0.1)
+    assert added == expected, (added, expected)
+    assert {op for op, _ in after} == set(ops)  # IR ops the model does not call count nothing
 
 
 def test_operator_rules_are_checked_when_the_server_starts(tmp_path: Path) -> None:

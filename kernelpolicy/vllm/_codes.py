@@ -82,6 +82,11 @@ class StepCodes:
         self._masks: dict[tuple[int, int], dict[int, torch.Tensor]] = {}
         self._patterns: dict[tuple[bytes, int], dict[int, torch.Tensor]] = {}
 
+    @property
+    def rows(self) -> int:
+        """How many token rows the current step has (0 in a step without a policy)."""
+        return self._filled
+
     def column(self, op: str) -> int:
         """The column of ``op`` (given on first sight: a layer built, an IR op known)."""
         found = self.columns.get(op)

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from .._values._tensors import map_tensors
+from ._batch_axis import leading_unit_axis, per_token
 from ._codes import DEFAULT, KERNEL, ORIGINAL, REQUIRED, STEP, VARIANTS, codes_in_context
 
 if TYPE_CHECKING:
@@ -171,6 +172,8 @@ def choose(column: int, paths: Paths, args: tuple[Any, ...], kwargs: dict[str, A
     first = next((a for a in args if isinstance(a, torch.Tensor) and a.dim() >= 1), None)
     if first is None:
         return paths.default(*args, **kwargs)
+    if leading_unit_axis(first, compiling=compiling):  # vLLM's Transformers backend: [1, tokens, ...]
+        return per_token(choose, column, paths, args, kwargs, clone=clone)
     count = first.shape[0]
     caller = {id(t) for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)}
     if compiling:
