@@ -27,11 +27,15 @@ FALLBACK, OTHER_FALLBACK = f"{RAISE},fallback_on=RuntimeError", f"{RAISE},fallba
 SOLO = [NONE, DISABLE, PREFER]
 #: ``require``: rms_norm has the test kernel on this engine, fused_add_rms_norm has none (no ``_vllm_fused``).
 REQUIRE, REQUIRE_NORM, REQUIRE_FUSED = "require", "rms_norm=require", {"fused_add_rms_norm": "require"}
+#: ``verify``: rms_norm's test kernel differs from its original (its requests fail), silu_and_mul's CPU kernel not.
+VERIFY_NORM, VERIFY_SILU = "rms_norm=verify", {"silu_and_mul": "verify"}
 BATCHES: list[list[Any]] = [
     [RAISE, DISABLE, NONE, PREFER],  # one policy's rows fail in a step of four paths
     [RAISE, RAISE],  # every row of the step fails
     [FALLBACK, PREFER, OTHER_FALLBACK, NONE],
     [REQUIRE, REQUIRE_NORM, REQUIRE_FUSED, DISABLE],
+    [VERIFY_NORM, VERIFY_SILU, DISABLE, NONE],
+    [VERIFY_NORM, VERIFY_NORM],  # every row of the step verified
 ]
 
 
@@ -75,6 +79,22 @@ def test_a_policy_requiring_a_kernel_an_op_lacks_fails_naming_the_op_and_the_pol
     # rms_norm's kernel (the test provider), every other op as vLLM chose: prefer's tokens on this engine
     assert not _failed(outputs[1]) and list(outputs[1].token_ids) == runs["solo"][repr(PREFER)][1]
     assert not _failed(outputs[3]) and list(outputs[3].token_ids) == runs["solo"][repr(DISABLE)][3]
+
+
+def test_verify_fails_the_requests_whose_kernel_differs_from_the_original_and_serves_the_others(
+    runs: dict[str, Any],
+) -> None:
+    for batch, outputs in zip(BATCHES[4:], runs["batches"][4:], strict=True):
+        for row, (policy, output) in enumerate(zip(batch, outputs, strict=True)):
+            if policy == VERIFY_NORM:
+                reason = str(output.stop_reason)
+                assert _failed(output) and not output.token_ids, (policy, output)
+                assert "rms_norm's kernel (provider 'kp_test') under verify raised KernelMismatchError" in reason, (
+                    reason
+                )
+                assert "rtol=" in reason and repr(policy) in reason, reason
+            elif policy == VERIFY_SILU:  # the kernel computes what the original does: the kernel's tokens
+                assert not _failed(output) and list(output.token_ids) == runs["solo"][repr(NONE)][row]
 
 
 def test_the_other_requests_of_the_step_get_their_solo_tokens(runs: dict[str, Any]) -> None:

@@ -32,8 +32,8 @@ __all__ = [
 
 #: The key of ``SamplingParams.extra_args`` (and of the OpenAI server's ``vllm_xargs``) that carries a policy.
 KEY = "kernel_policy"
-#: The modes a request's policy may give in vLLM so far, besides variants (``verify`` is not built yet).
-_BUILT = ("prefer", "disable", "require")
+#: The modes a request's policy may give in vLLM, besides variants.
+_BUILT = ("prefer", "disable", "require", "verify")
 
 
 class RequestPolicy(NamedTuple):

@@ -38,6 +38,7 @@ __all__ = [
     "REQUIRED",
     "STEP",
     "VARIANTS",
+    "VERIFIED",
     "StepCodes",
     "variant_code",
 ]
@@ -47,12 +48,12 @@ CONTEXT_KEY = "kernelpolicy_codes"
 _log = logging.getLogger("kernelpolicy.vllm")
 #: The attribute of a step's ``ModelRunnerOutput`` that carries its failed requests (request id -> error).
 FAILED = "kernelpolicy_failed"
-#: A row's code for an op: vLLM's own choice, the kernel, the original, the kernel required; from ``VARIANTS`` on,
-#: an IR provider.
-DEFAULT, KERNEL, ORIGINAL, REQUIRED, VARIANTS = 0, 1, 2, 3, 4
+#: A row's code for an op: vLLM's own choice, the kernel, the original, the kernel required, the kernel verified
+#: against the original; from ``VARIANTS`` on, an IR provider.
+DEFAULT, KERNEL, ORIGINAL, REQUIRED, VERIFIED, VARIANTS = 0, 1, 2, 3, 4, 5
 #: Columns a worker keeps (one per governed op: vLLM 0.32 has under 100 CustomOps and IR ops).
 CAPACITY = 256
-_CODE = {"prefer": KERNEL, "disable": ORIGINAL, "require": REQUIRED}
+_CODE = {"prefer": KERNEL, "disable": ORIGINAL, "require": REQUIRED, "verify": VERIFIED}
 #: The policies whose codes a worker keeps (then it starts again: memory stays bounded under client policies).
 _KEPT = 4096
 

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 import torch
 
-from ._codes import DEFAULT, KERNEL, REQUIRED, STEP, VARIANTS
+from ._codes import DEFAULT, KERNEL, REQUIRED, STEP, VARIANTS, VERIFIED
 
 if TYPE_CHECKING:
     from ._admission import RequestPolicy
@@ -73,7 +73,7 @@ def learned(name: str) -> bool:
 def _path(op: str, code: int) -> str:
     if code == DEFAULT:
         return VLLM
-    if code in (KERNEL, REQUIRED):
+    if code in (KERNEL, REQUIRED, VERIFIED):
         return "kernel" if op in CUSTOM or _has_kernel(op) else "original"
     if code >= VARIANTS:
         provider = _provider(op, code - VARIANTS)

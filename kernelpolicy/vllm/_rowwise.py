@@ -13,19 +13,24 @@ others. Traced code (vLLM compiles once, every guard dropped) computes every pat
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
+from .._forward._verify import DEFAULT_TOLERANCES
+from .._values._errors import KernelMismatchError
 from .._values._tensors import map_tensors
 from ._batch_axis import leading_unit_axis, per_token
-from ._codes import DEFAULT, KERNEL, ORIGINAL, REQUIRED, STEP, VARIANTS, codes_in_context
+from ._codes import DEFAULT, KERNEL, ORIGINAL, REQUIRED, STEP, VARIANTS, VERIFIED, codes_in_context
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
 __all__ = ["Paths", "choose", "govern_custom_op", "ir_inner_call", "ir_inplace_call", "platform_forward"]
 
+#: ``verify``'s (rtol, atol) by dtype where the op has none of its own (kernelpolicy's defaults).
+_TOLERANCES = DEFAULT_TOLERANCES
 #: The platform forward a ``CustomOp`` dispatches to when enabled, by platform (vLLM's ``dispatch_forward``).
 _PLATFORMS = (
     ("is_rocm", "forward_hip"),
@@ -66,6 +71,8 @@ class Paths(NamedTuple):
     traced_variants: tuple[int, ...] = ()
     #: The variant code of the kernel's own provider (its rows take the kernel; -1: none).
     kernel_code: int = -1
+    #: (rtol, atol) of ``verify`` for an output's dtype (an IR op's own; kernelpolicy's defaults).
+    tolerance: Callable[[torch.dtype], tuple[float, float]] = lambda dtype: _TOLERANCES.get(dtype, (0.0, 0.0))
 
     def path(self, code: int) -> tuple[int, str, Callable[..., Any]] | None:
         """The path of rows with ``code``: its key (``KERNEL``, or the variant's code), its name in errors, its
@@ -73,7 +80,7 @@ class Paths(NamedTuple):
         found = self.variant(code) if code >= VARIANTS and code != self.kernel_code else None
         if found is not None:
             return code, f"{self.op}'s variant ({found[0]})", found[1]
-        if code in (KERNEL, REQUIRED, self.kernel_code) or (code == DEFAULT and self.default_is_kernel):
+        if code in (KERNEL, REQUIRED, VERIFIED, self.kernel_code) or (code == DEFAULT and self.default_is_kernel):
             return KERNEL, f"{self.op}'s kernel ({self.kernel_name})", self.kernel
         return None
 
@@ -145,8 +152,18 @@ def ir_inner_call(op: Any, inner: Callable[..., Any], args: tuple[Any, ...], kwa
         variant,
         tuple(VARIANTS + other for other, ok in enumerate(takes) if ok and other != place),
         VARIANTS + place,
+        functools.partial(_ir_tolerance, op),
     )
     return choose(column, paths, args, kwargs, clone=False)
+
+
+def _ir_tolerance(op: Any, dtype: torch.dtype) -> tuple[float, float]:
+    """IR op ``op``'s (rtol, atol) for ``dtype`` (vLLM's, with its overrides), else kernelpolicy's default."""
+    try:
+        found = op.get_tolerance(dtype)
+    except ValueError:
+        return _TOLERANCES.get(dtype, (0.0, 0.0))
+    return float(found["rtol"]), float(found["atol"])
 
 
 def ir_inplace_call(
@@ -167,7 +184,7 @@ def choose(column: int, paths: Paths, args: tuple[Any, ...], kwargs: dict[str, A
         if not STEP.mixed:
             return paths.default(*args, **kwargs)
         uniform = STEP.uniform[column]
-        if uniform >= 0:  # every row of the step takes one path: no codes read
+        if uniform >= 0 and uniform != VERIFIED:  # every row of the step takes one path: no codes read
             return _uniform(uniform, paths, args, kwargs)
     first = next((a for a in args if isinstance(a, torch.Tensor) and a.dim() >= 1), None)
     if first is None:
@@ -193,19 +210,67 @@ def choose(column: int, paths: Paths, args: tuple[Any, ...], kwargs: dict[str, A
             taken[path[0]] = (name, function, rows | mask)
         else:
             taken[path[0]] = (path[1], path[2], mask)
-    if not original and len(taken) == 1:
+    verified = masks.get(VERIFIED)
+    if not original and len(taken) == 1 and verified is None:
         [(name, function, mask)] = taken.values()
         return _alone(name, function, mask, paths, args, kwargs)
-    outputs: list[tuple[torch.Tensor, Any]] = []
-    for name, function, mask in taken.values():
+    outputs: dict[int, tuple[torch.Tensor, Any]] = {}
+    for key, (name, function, mask) in taken.items():
         try:
-            outputs.append((mask, _run(function, args, kwargs, clone, count)))
+            outputs[key] = (mask, _run(function, args, kwargs, clone, count))
         except Exception as error:  # noqa: BLE001  # any kernel error fails its rows' requests, not the step
             STEP.fail(mask, name, error)
     joined = paths.original(*args, **kwargs)
-    for mask, output in outputs:
+    if verified is not None and KERNEL in outputs:
+        _compare_rows(verified, outputs[KERNEL][1], joined, paths, count)
+    for mask, output in outputs.values():
         joined = _joined(mask, output, joined, count, caller)
     return joined
+
+
+def _compare_rows(rows: torch.Tensor, kernel_out: Any, original_out: Any, paths: Paths, count: int) -> None:
+    """``verify``: the requests of ``rows`` whose kernel output differs from the original's beyond the op's
+    tolerance (per row, every floating output of the call's rows) fail, the error naming the op and the errors."""
+    bad: torch.Tensor | None = None
+    worst: tuple[float, str, float, float, float] = (0.0, "output", 0.0, 0.0, 0.0)
+    for where, kernel, original in _pairs(kernel_out, original_out, "output"):
+        if kernel.shape != original.shape or not _rows_of(original, count) or not original.is_floating_point():
+            continue
+        rtol, atol = paths.tolerance(original.dtype)
+        close = torch.isclose(kernel, original, rtol=rtol, atol=atol, equal_nan=True).reshape(count, -1).all(1)
+        off = rows & ~close
+        if bool(off.any()):
+            bad = off if bad is None else bad | off
+            expected = original[off].double()
+            difference = (kernel[off].double() - expected).abs()
+            relative = float((difference / expected.abs().clamp_min(torch.finfo(torch.float64).tiny)).max())
+            worst = max(worst, (float(difference.max()), where, rtol, atol, relative))
+    if bad is not None:
+        error, where, rtol, atol, relative = worst
+        STEP.fail(
+            bad,
+            f"{paths.op}'s kernel ({paths.kernel_name}) under verify",
+            KernelMismatchError(
+                module_name=f"vLLM op {paths.op}",
+                layer_name=paths.op,
+                module_class=paths.kernel_name,
+                where=where,
+                detail=f"rows beyond rtol={rtol:g}, atol={atol:g} (the op's tolerance for the dtype)",
+                max_abs=error,
+                max_rel=relative,
+                index=None,
+            ),
+        )
+
+
+def _pairs(kernel: Any, original: Any, where: str) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """The tensors of two outputs of one structure (tensors, tuples, lists), paired, with where each is."""
+    if isinstance(kernel, torch.Tensor) and isinstance(original, torch.Tensor):
+        return [(where, kernel, original)]
+    if isinstance(kernel, (tuple, list)) and isinstance(original, (tuple, list)) and len(kernel) == len(original):
+        pairs = enumerate(zip(kernel, original, strict=True))
+        return [pair for i, (k, o) in pairs for pair in _pairs(k, o, f"{where}[{i}]")]
+    return []
 
 
 def _every_path(
