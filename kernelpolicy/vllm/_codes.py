@@ -175,13 +175,13 @@ class StepCodes:
     def no_kernel(self, column: int, reason: str) -> None:
         """``column``'s op has no kernel here (``reason``, seen in an eager call): the requests of this step and of
         the next ones whose policy requires it fail."""
-        if self.kernelless.get(column) != reason:
-            self.kernelless[column] = reason
-            self._unmet.clear()
-        if torch.compiler.is_compiling() or not self.mixed:
+        if self.kernelless.get(column) == reason:  # seen before: this step's requests failed when it was filled
             return
-        requests, policies, _ = self._step
-        self._fail_unmet(requests, policies)
+        self.kernelless[column] = reason
+        self._unmet.clear()
+        if self.mixed:
+            requests, policies, _ = self._step
+            self._fail_unmet(requests, policies)
 
     def _fail_unmet(self, requests: list[str], policies: list[RequestPolicy | None]) -> None:
         """Fail the requests of this step whose policy requires a kernel that an op called here lacks."""

@@ -120,16 +120,15 @@ def ir_inner_call(op: Any, inner: Callable[..., Any], args: tuple[Any, ...], kwa
     uniform = DEFAULT if compiling else STEP.uniform[column]
     if uniform == ORIGINAL:
         return native.func_impl_fn(*args, **kwargs)
-    if uniform == DEFAULT and not compiling:
-        return inner(op, *args, **kwargs)
+    if (uniform == DEFAULT and not compiling) or not _has_provider(op):  # no kernel here: a policy's requests
+        return inner(op, *args, **kwargs)  # that require one failed when the step was filled (StepCodes)
     impls = list(op.impls.values())
     takes = [impl is not native and impl.supported and impl.supports_args(*args, **kwargs) for impl in impls]
     ranked = [impl for impl in op._priority_impls if impl is not native] + impls
     kernel = next((impl for impl in ranked if takes[impls.index(impl)]), None)
     if kernel is None:
         if not compiling:  # the rows that require a kernel fail (traced: a guard-free program cannot fail them)
-            some = any(impl.supported for impl in impls if impl is not native)
-            STEP.no_kernel(column, f"no provider but 'native' {'takes the call' if some else 'is supported'} here")
+            STEP.no_kernel(column, "no provider but 'native' takes the call here")
         return inner(op, *args, **kwargs)
 
     def default(*args: Any, **kwargs: Any) -> Any:
@@ -172,9 +171,15 @@ def ir_inplace_call(
     """One call of an IR op's in-place overload (``overload``, vLLM's ``IrOpInplaceOverload``; ``inplace``: its
     ``_inner_call``): vLLM's own where no policy is in the step, else the op's functional call, each row on its own
     path (``maybe_inplace`` lets the op write its inputs, never obliges it to)."""
-    if not STEP.mixed and not torch.compiler.is_compiling():
+    if (not STEP.mixed and not torch.compiler.is_compiling()) or not _has_provider(overload.op):
         return inplace(overload, *args, **kwargs)
     return ir_inner_call(overload.op, inner, args, kwargs)
+
+
+def _has_provider(op: Any) -> bool:
+    """Whether IR op ``op`` has a provider other than ``native`` that this platform supports (none: every row runs
+    what vLLM runs, ``native``)."""
+    return any(impl.supported for provider, impl in op.impls.items() if provider != "native")
 
 
 def choose(column: int, paths: Paths, args: tuple[Any, ...], kwargs: dict[str, Any], *, clone: bool) -> Any:
