@@ -40,6 +40,7 @@ __all__ = [
     "VARIANTS",
     "VERIFIED",
     "StepCodes",
+    "has_provider",
     "variant_code",
 ]
 
@@ -216,9 +217,7 @@ class StepCodes:
         ir_op = IrOp.registry.get(op)
         if found is not None or ir_op is None:
             return found
-        if any(impl.supported for provider, impl in ir_op.impls.items() if provider != "native"):
-            return None
-        return "no provider but 'native' is supported here"
+        return None if has_provider(ir_op) else "no provider but 'native' is supported here"
 
     def fail(self, rows: torch.Tensor | None, path: str, error: Exception) -> None:
         """``path`` raised ``error`` on the token rows where ``rows`` is true (None: every row): their requests fail
@@ -246,6 +245,12 @@ class StepCodes:
         """The step's failures, cleared."""
         found, self.failed = self.failed, {}
         return found
+
+
+def has_provider(op: Any) -> bool:
+    """Whether IR op ``op`` has a provider other than ``native`` that this platform supports (none: every row runs
+    what vLLM runs, ``native``)."""
+    return any(impl.supported for provider, impl in op.impls.items() if provider != "native")
 
 
 def variant_code(op: str, names: tuple[str, ...]) -> int:

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 import torch
 
-from ._codes import DEFAULT, KERNEL, REQUIRED, STEP, VARIANTS, VERIFIED
+from ._codes import DEFAULT, KERNEL, REQUIRED, STEP, VARIANTS, VERIFIED, has_provider
 
 if TYPE_CHECKING:
     from ._admission import RequestPolicy
@@ -88,7 +88,7 @@ def _has_kernel(op: str) -> bool:
     from vllm.ir.op import IrOp
 
     found = IrOp.registry.get(op)
-    return found is not None and any(i.supported and i.provider != "native" for i in found.impls.values())
+    return found is not None and has_provider(found)
 
 
 @functools.cache

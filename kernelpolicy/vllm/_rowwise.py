@@ -18,19 +18,17 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from .._forward._verify import DEFAULT_TOLERANCES
+from .._forward._verify import tolerances
 from .._values._errors import KernelMismatchError
 from .._values._tensors import map_tensors
 from ._batch_axis import leading_unit_axis, per_token
-from ._codes import DEFAULT, KERNEL, ORIGINAL, REQUIRED, STEP, VARIANTS, VERIFIED, codes_in_context
+from ._codes import DEFAULT, KERNEL, ORIGINAL, REQUIRED, STEP, VARIANTS, VERIFIED, codes_in_context, has_provider
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
 __all__ = ["Paths", "choose", "govern_custom_op", "ir_inner_call", "ir_inplace_call", "platform_forward"]
 
-#: ``verify``'s (rtol, atol) by dtype where the op has none of its own (kernelpolicy's defaults).
-_TOLERANCES = DEFAULT_TOLERANCES
 #: The platform forward a ``CustomOp`` dispatches to when enabled, by platform (vLLM's ``dispatch_forward``).
 _PLATFORMS = (
     ("is_rocm", "forward_hip"),
@@ -72,7 +70,7 @@ class Paths(NamedTuple):
     #: The variant code of the kernel's own provider (its rows take the kernel; -1: none).
     kernel_code: int = -1
     #: (rtol, atol) of ``verify`` for an output's dtype (an IR op's own; kernelpolicy's defaults).
-    tolerance: Callable[[torch.dtype], tuple[float, float]] = lambda dtype: _TOLERANCES.get(dtype, (0.0, 0.0))
+    tolerance: Callable[[torch.dtype], tuple[float, float]] = lambda dtype: tolerances(dtype, None, None)
 
     def path(self, code: int) -> tuple[int, str, Callable[..., Any]] | None:
         """The path of rows with ``code``: its key (``KERNEL``, or the variant's code), its name in errors, its
@@ -120,7 +118,7 @@ def ir_inner_call(op: Any, inner: Callable[..., Any], args: tuple[Any, ...], kwa
     uniform = DEFAULT if compiling else STEP.uniform[column]
     if uniform == ORIGINAL:
         return native.func_impl_fn(*args, **kwargs)
-    if (uniform == DEFAULT and not compiling) or not _has_provider(op):  # no kernel here: a policy's requests
+    if (uniform == DEFAULT and not compiling) or not has_provider(op):  # no kernel here: a policy's requests
         return inner(op, *args, **kwargs)  # that require one failed when the step was filled (StepCodes)
     impls = list(op.impls.values())
     takes = [impl is not native and impl.supported and impl.supports_args(*args, **kwargs) for impl in impls]
@@ -161,7 +159,7 @@ def _ir_tolerance(op: Any, dtype: torch.dtype) -> tuple[float, float]:
     try:
         found = op.get_tolerance(dtype)
     except ValueError:
-        return _TOLERANCES.get(dtype, (0.0, 0.0))
+        return tolerances(dtype, None, None)
     return float(found["rtol"]), float(found["atol"])
 
 
@@ -171,15 +169,9 @@ def ir_inplace_call(
     """One call of an IR op's in-place overload (``overload``, vLLM's ``IrOpInplaceOverload``; ``inplace``: its
     ``_inner_call``): vLLM's own where no policy is in the step, else the op's functional call, each row on its own
     path (``maybe_inplace`` lets the op write its inputs, never obliges it to)."""
-    if (not STEP.mixed and not torch.compiler.is_compiling()) or not _has_provider(overload.op):
+    if (not STEP.mixed and not torch.compiler.is_compiling()) or not has_provider(overload.op):
         return inplace(overload, *args, **kwargs)
     return ir_inner_call(overload.op, inner, args, kwargs)
-
-
-def _has_provider(op: Any) -> bool:
-    """Whether IR op ``op`` has a provider other than ``native`` that this platform supports (none: every row runs
-    what vLLM runs, ``native``)."""
-    return any(impl.supported for provider, impl in op.impls.items() if provider != "native")
 
 
 def choose(column: int, paths: Paths, args: tuple[Any, ...], kwargs: dict[str, Any], *, clone: bool) -> Any:
